@@ -1,0 +1,212 @@
+"""The decode loop: prefill, then draft k tokens with the MTP head, verify k+1 in one trunk
+forward, accept, roll every cache back to the accepted position. k = 0 is plain decoding
+through the same loop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.base import CausalLM
+from ..models.cache import ModelCache
+from .accept import accept_greedy, accept_sampled
+from .metrics import SpecMetrics
+from .sampling import SamplingParams, probs, sample
+
+
+@dataclass
+class DecodeState:
+    """Where one sequence stands between two verification steps (batch of one)."""
+
+    pos: int  # trunk cache length; the pending token sits at this position
+    pending: int  # last emitted token, not yet run through the trunk
+    mtp_start: int  # position of the first entry the MTP head still has to (re)compute
+    mtp_ids: torch.Tensor  # [1, T] tokens t_{i+1} for MTP positions mtp_start..mtp_start+T-1
+    mtp_hidden: torch.Tensor  # [1, T, D] trunk states h_i at those positions
+    generated: int = 0  # tokens emitted so far
+
+
+@dataclass
+class Result:
+    """Filled in while a request streams; final once the iterator is exhausted."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+
+
+class MTPDrafter:
+    """Proposes k tokens by chaining the model's MTP head; keeps the head's cache in step."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.spec = model.mtp.spec
+
+    def propose(
+        self,
+        st: DecodeState,
+        k: int,
+        cache: ModelCache,
+        params: SamplingParams,
+        gen: torch.Generator | None,
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """k draft tokens and, when sampling, their distributions q [k, V]."""
+        model = self.model
+        # Step 0 first catches the head up on every position accepted since last time (their
+        # true tokens and trunk states are known now); its last output is the first draft.
+        out = model.mtp_forward(st.mtp_ids, st.mtp_hidden, 0, st.mtp_start, cache)
+        pos = st.mtp_start + st.mtp_ids.shape[1]
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for s in range(k):
+            if s:
+                ids = torch.tensor([[tokens[-1]]], device=st.mtp_ids.device)
+                out = model.mtp_forward(ids, h, s, pos, cache)
+                pos += 1
+            h = out.for_mtp(self.spec.chain_hidden)[:, -1:]
+            token, q = self.pick(s, model.logits(out.hidden[:, -1]), params, gen)
+            tokens.append(token)
+            if q is not None:
+                qs.append(q)
+        return tokens, (torch.stack(qs) if qs else None)
+
+    def pick(self, s, logits, params, gen) -> tuple[int, torch.Tensor | None]:
+        """Choose draft token s from the head's logits [1, V]."""
+        if params.greedy:
+            return int(logits[0].argmax()), None
+        q = probs(logits[0], params)
+        return int(sample(q, gen)), q
+
+
+class Engine:
+    """A loaded model ready to serve requests one at a time; nothing leaks between them."""
+
+    def __init__(self, model: CausalLM, tokenizer=None, max_model_len: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = model.lm_head.weight.device
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self._cache: ModelCache | None = None
+        self._mtp_cache: ModelCache | None = None
+        self._cache_len = 0
+        self.drafter = MTPDrafter(model) if model.mtp is not None else None
+
+    @property
+    def has_mtp(self) -> bool:
+        """True when the model has a usable MTP head."""
+        return self.drafter is not None
+
+    def _caches(self, need: int) -> tuple[ModelCache, ModelCache | None]:
+        # Reuse the buffers across requests (reset, not reallocated) unless too small.
+        if self._cache is None or self._cache_len < need:
+            size = min(max(need, 256), self.max_model_len + 16)
+            size = max(size, need)
+            self._cache = self.model.new_cache(size)
+            self._mtp_cache = self.model.new_mtp_cache(size)
+            self._cache_len = size
+        self._cache.reset()
+        if self._mtp_cache is not None:
+            self._mtp_cache.reset()
+        return self._cache, self._mtp_cache
+
+    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise ValueError when prompt plus max_tokens exceeds the context."""
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"model's context of {self.max_model_len} tokens; shorten the prompt or "
+                "lower max_tokens"
+            )
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        num_draft_tokens: int = 0,
+        result: Result | None = None,
+        drafter: MTPDrafter | None = None,
+        eos_ids: set[int] | None = None,
+    ) -> Iterator[int]:
+        """Yield generated token ids; ``result`` receives finish reason and metrics."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        self.check_length(len(prompt_ids), params.max_tokens)
+        res = result if result is not None else Result()
+        m = res.metrics
+        m.prompt_tokens = len(prompt_ids)
+        drafter = drafter or self.drafter
+        k = num_draft_tokens if drafter is not None else 0
+        if eos_ids is None:
+            eos_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
+        if params.ignore_eos:
+            eos_ids = set()
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        t0 = time.perf_counter()
+        cache, mtp_cache = self._caches(len(prompt_ids) + params.max_tokens + k + 2)
+        model = self.model
+        ids = torch.tensor([prompt_ids], device=self.device)
+        out = model(ids, cache)
+        first = self._choose(model.logits(out.hidden[:, -1]), params, gen)
+        spec = model.mtp.spec if model.mtp is not None else None
+        st = DecodeState(
+            pos=len(prompt_ids),
+            pending=first,
+            mtp_start=0,
+            mtp_ids=torch.tensor([prompt_ids[1:] + [first]], device=self.device),
+            mtp_hidden=out.for_mtp(spec.trunk_hidden) if spec else out.hidden[:, :0],
+        )
+        m.ttft_s = time.perf_counter() - t0
+        for token in self._emit([first], st, res, eos_ids, params, t0):
+            yield token
+        while res.finish_reason is None:
+            # Draft no more than the tokens still allowed: a verification emits up to k+1.
+            k_step = min(k, params.max_tokens - st.generated - 1)
+            drafts, q = [], None
+            if k_step > 0:
+                drafts, q = drafter.propose(st, k_step, mtp_cache, params, gen)
+            verify = torch.tensor([[st.pending, *drafts]], device=self.device)
+            out = model(verify, cache)
+            logits = model.logits(out.hidden)[0]  # [k+1, V]
+            if params.greedy:
+                n_acc, nxt = accept_greedy(drafts, logits.argmax(-1).tolist())
+            else:
+                n_acc, nxt = accept_sampled(drafts, q, probs(logits, params), gen)
+            m.record(len(drafts), n_acc)
+            # Keep the pending token and the accepted drafts; every cache returns there.
+            cache.trim(st.pos + n_acc + 1)
+            if spec is not None:
+                st.mtp_start = st.pos
+                st.mtp_ids = torch.tensor([[*drafts[:n_acc], nxt]], device=self.device)
+                st.mtp_hidden = out.for_mtp(spec.trunk_hidden)[:, : n_acc + 1]
+            st.pos += n_acc + 1
+            st.pending = nxt
+            for token in self._emit([*drafts[:n_acc], nxt], st, res, eos_ids, params, t0):
+                yield token
+
+    def _choose(self, logits: torch.Tensor, params: SamplingParams, gen) -> int:
+        if params.greedy:
+            return int(logits[0].argmax())
+        return int(sample(probs(logits[0], params), gen))
+
+    @staticmethod
+    def _emit(tokens, st: DecodeState, res: Result, eos_ids, params, t0) -> Iterator[int]:
+        for t in tokens:
+            if t in eos_ids:
+                res.finish_reason = "stop"
+                break
+            st.generated += 1
+            res.tokens.append(t)
+            res.metrics.generated_tokens = st.generated
+            res.metrics.elapsed_s = time.perf_counter() - t0
+            yield t
+            if st.generated >= params.max_tokens:
+                res.finish_reason = "length"
+                break

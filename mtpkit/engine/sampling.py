@@ -1,0 +1,63 @@
+"""Sampling settings and the distribution they define, applied alike to target and draft."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingError(ValueError):
+    """A sampling setting is out of range."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings (temperature 0 means greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the argmax."""
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise SamplingError naming the first bad setting."""
+        if not self.temperature >= 0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Probabilities [..., V] after temperature, top-k and top-p (fp32, rows sum to 1)."""
+    logits = logits.float() / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_p = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
+        # before it already does.
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(prob: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of probabilities [..., V]."""
+    flat = prob.reshape(-1, prob.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(prob.shape[:-1])

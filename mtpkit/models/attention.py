@@ -1,0 +1,97 @@
+"""Grouped-query attention over a static KV cache (bias, q/k norm, output gate optional)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache
+from .layers import RMSNorm, Rotary
+
+
+def causal_mask(start: int, t: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask [t, start+t] letting query i see keys 0..start+i; None when t == 1."""
+    if t == 1:
+        return None
+    q_pos = torch.arange(start, start + t, device=device)[:, None]
+    k_pos = torch.arange(start + t, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+class Attention(nn.Module):
+    """GQA attention; names as in Llama/Qwen checkpoints (q_proj, k_proj, v_proj, o_proj)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool = False,
+        o_bias: bool | None = None,
+        qk_norm: bool = False,
+        output_gate: bool = False,
+        rms_norm_eps: float = 1e-6,
+        zero_centered_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # Qwen3-Next doubles q_proj: per head, [query | gate], the gate scaling the output.
+        self.output_gate = output_gate
+        q_out = num_heads * head_dim * (2 if output_gate else 1)
+        self.q_proj = nn.Linear(hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, rms_norm_eps, zero_centered_norm)
+            self.k_norm = RMSNorm(head_dim, rms_norm_eps, zero_centered_norm)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        """x [B, T, D] at positions cache.length.. -> [B, T, D]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(b, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, t, self.num_heads * self.head_dim)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        start, mask = 0, None
+        if cache is not None:
+            start = cache.length
+            k, v = cache.update(k, v)
+            mask = cache.key_mask(start + t)
+        causal = causal_mask(start, t, x.device)
+        if mask is not None:
+            causal = mask[None, :] if causal is None else causal & mask[None, :]
+        out = sdpa(q, k, v, causal)
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    """Scaled dot-product attention with KV heads shared by groups of query heads."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        # SDPA's enable_gqa is not taken by every backend; repeating KV heads is portable.
+        b, h, s, d = k.shape
+        k = k[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+        v = v[:, :, None].expand(b, h, groups, s, v.shape[-1]).reshape(b, h * groups, s, -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

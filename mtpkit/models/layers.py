@@ -1,0 +1,97 @@
+"""Layers shared by every family: RMSNorm (plain and zero-centred), rotary embedding, MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; ``zero_centered`` stores w-1 on disk and applies x*(1+w) (Qwen3-Next/3.5)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementations do; low-precision variance
+        # changes greedy choices on real checkpoints.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float()
+        if self.zero_centered:
+            return (x * (1.0 + w)).to(dtype)
+        return w.to(dtype) * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies of rotary embedding, with Llama-3 style scaling when configured."""
+    ar = torch.arange(0, rot_dim, 2, dtype=torch.float64, device="cpu")
+    inv = 1.0 / (theta ** (ar / rot_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return inv.float()
+    if kind == "llama3":
+        factor = scaling["factor"]
+        lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        # Long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        return torch.where(mid, blended, scaled).float()
+    if kind == "linear":
+        return (inv / scaling["factor"]).float()
+    raise ValueError(
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding on the first ``rot_dim`` channels, HF half-rotation layout."""
+
+    def __init__(self, rot_dim: int, theta: float, scaling: dict | None = None) -> None:
+        super().__init__()
+        self.rot_dim = rot_dim
+        # A plain attribute, not a buffer: it must stay fp32 when the model is cast to bf16,
+        # and survive building the model on the meta device.
+        self.inv_freq = rope_inv_freq(rot_dim, theta, scaling)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables [T, rot_dim] for integer positions [T]."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [B, H, T, D]; channels beyond cos' width pass through (partial rotary)."""
+        r = cos.shape[-1]
+        xr, xp = x[..., :r], x[..., r:]
+        x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
+        rotated = torch.cat([-x2, x1], dim=-1)
+        out = xr * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+        return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out

@@ -1,0 +1,145 @@
+"""Llama family: Llama 2/3, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2 (tied embeddings).
+
+These checkpoints ship no MTP head; a head trained by ``mtpkit calibrate`` is stored under
+Qwen3.5's ``mtp.*`` names with one Llama decoder layer, and loads with the trunk as one model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .base import CausalLM
+from .cache import KVCache
+from .config import ConfigBase
+from .layers import MLP, RMSNorm, Rotary
+from .mtp import MTPHead, MTPSpec
+
+
+@dataclass
+class LlamaConfig(ConfigBase):
+    """Config of a Llama-family checkpoint (the keys of its config.json we use)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    # MTP head trained for this trunk (0: none)
+    num_nextn_predict_layers: int = 0
+
+    @classmethod
+    def from_hf_config(cls, d: dict) -> LlamaConfig:
+        """Keep the known keys of an HF config dict, fill family defaults, validate."""
+        mt = d["model_type"]
+        heads = d["num_attention_heads"]
+        rope = d.get("rope_scaling") or d.get("rope_parameters")
+        theta = d.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope and rope.get("rope_type", rope.get("type")) in ("default", None):
+            rope = None
+        cfg = cls(
+            model_type=mt,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Qwen2 has q/k/v biases (not o_proj) without saying so in its config.
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=mt == "qwen3",
+            hidden_act=d.get("hidden_act", "silu"),
+            num_nextn_predict_layers=int(
+                d.get("num_nextn_predict_layers") or d.get("mtp_num_hidden_layers") or 0
+            ),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Reject configs this family cannot run."""
+        super().validate()
+        if self.hidden_act != "silu":
+            self.fail(f"hidden_act={self.hidden_act!r} is not supported (only silu)")
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU block."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            bias=cfg.attention_bias or cfg.model_type == "qwen2",
+            o_bias=cfg.attention_bias,
+            qk_norm=cfg.qk_norm,
+            rms_norm_eps=cfg.rms_norm_eps,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, cache: KVCache | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """A static KV cache for this layer."""
+        w = self.self_attn.k_proj.weight
+        c = self.cfg
+        return KVCache(batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
+
+
+class LlamaInner(nn.Module):
+    """``model.*``: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama-family trunk, optionally with an mtpkit-trained MTP head."""
+
+    model_types = ("llama", "qwen2", "qwen3")
+    config_class = LlamaConfig
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__(cfg)
+        self.model = LlamaInner(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.mtp = None
+        if cfg.num_nextn_predict_layers:
+            spec = MTPSpec(cfg.num_nextn_predict_layers, eps=cfg.rms_norm_eps)
+            self.mtp = MTPHead(cfg.hidden_size, spec, lambda i: LlamaDecoderLayer(cfg))

@@ -1,0 +1,66 @@
+"""The MTP draft head shared by every family.
+
+One draft step at positions p..p+T-1 combines, for each position i, the embedding of the
+token at i+1 with a hidden state of position i (the trunk's for the first step, the head's own
+output when chaining), then runs one decoder block with its own KV cache:
+
+    x_i = fc(concat[norm_e(emb(t_{i+1})), norm_h(h_i)])      (Qwen3-Next / DeepSeek order)
+    x_i = fc(concat[norm_h(h_i), norm_e(emb(t_{i+1}))])      (MiMo order)
+    g_i = norm(block(x_i))  -> logits with the trunk's lm_head -> a guess for t_{i+2}
+
+Module names are Qwen3.5's ``mtp.*`` names; other layouts are renamed on load by their family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .cache import KVCache
+from .layers import RMSNorm
+
+
+@dataclass
+class MTPSpec:
+    """How a family wires its MTP head."""
+
+    num_layers: int
+    emb_first: bool = True  # concat order: [embedding, hidden] (False: MiMo's [hidden, emb])
+    trunk_hidden: str = "post_norm"  # which trunk state feeds step 0: after or before final norm
+    chain_hidden: str = "post_norm"  # which head state feeds the next chained step
+    zero_centered: bool = False  # RMSNorm weights stored as w-1 (Qwen3-Next / 3.5)
+    eps: float = 1e-6
+
+
+class MTPHead(nn.Module):
+    """Combine, one decoder block per layer (used for draft step s: layer s mod n), final norm."""
+
+    def __init__(
+        self, hidden_size: int, spec: MTPSpec, make_layer: Callable[[int], nn.Module]
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        zc = spec.zero_centered
+        self.pre_fc_norm_embedding = RMSNorm(hidden_size, spec.eps, zc)
+        self.pre_fc_norm_hidden = RMSNorm(hidden_size, spec.eps, zc)
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(hidden_size, spec.eps, zc)
+
+    def forward(
+        self,
+        emb: torch.Tensor,
+        hidden: torch.Tensor,
+        step: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """emb, hidden [B, T, D] -> (state after the final norm, state before it)."""
+        e, h = self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)
+        x = self.fc(torch.cat([e, h] if self.spec.emb_first else [h, e], dim=-1))
+        x = self.layers[step % len(self.layers)](x, cos, sin, cache)
+        return self.norm(x), x

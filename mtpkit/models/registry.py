@@ -1,0 +1,35 @@
+"""model_type -> family class. Families are imported when first asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+from .config import ConfigError
+
+# model_type (top level or text_config) -> (module, class)
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("llama", "LlamaForCausalLM"),
+    "qwen3": ("llama", "LlamaForCausalLM"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "qwen3_5": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "qwen3_5_text": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "qwen3_5_moe": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "qwen3_5_moe_text": ("qwen3_next", "Qwen3NextForCausalLM"),
+}
+
+
+def supported_model_types() -> list[str]:
+    """Every model_type mtpkit runs."""
+    return sorted(FAMILIES)
+
+
+def family_for(model_type: str | None):
+    """The model class for an HF model_type, or a ConfigError listing the supported ones."""
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"model_type {model_type!r} is not supported by mtpkit; supported: "
+            f"{', '.join(supported_model_types())}"
+        )
+    module, cls = FAMILIES[model_type]
+    return getattr(importlib.import_module(f"mtpkit.models.{module}"), cls)

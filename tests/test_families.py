@@ -1,0 +1,203 @@
+"""Every family through the same checks: against transformers, and MTP against no MTP."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tiny import FAMILIES, FAMILY_IDS, VOCAB, write_checkpoint
+
+from mtpkit.engine.generate import Engine, MTPDrafter, Result
+from mtpkit.engine.loader import load_model
+from mtpkit.engine.sampling import SamplingParams
+from mtpkit.models.cache import KVCache
+
+PROMPTS = [[3, 17, 42, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68], [5], [90, 1, 90, 1, 90, 1, 33]]
+
+
+@pytest.mark.parametrize("fam", FAMILIES, ids=FAMILY_IDS)
+def test_logits_match_transformers(fam, tmp_path):
+    """Prefill and step-by-step cached decoding agree with transformers within 1e-4."""
+    ref = write_checkpoint(fam, tmp_path, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(tmp_path, tokenizer=False).model
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = model.logits(model(ids).hidden)
+        cache = model.new_cache(64)
+        steps = [model.logits(model(ids[:, :23], cache).hidden)]
+        for t in range(23, 40):
+            steps.append(model.logits(model(ids[:, t : t + 1], cache).hidden))
+    assert (want - got).abs().max() < 1e-4
+    assert (want - torch.cat(steps, 1)).abs().max() < 1e-4
+    assert cache.length == 40
+
+
+def _run(engine, prompt, k, **kw):
+    res = Result()
+    params = SamplingParams(max_tokens=kw.pop("max_tokens", 32), **kw)
+    tokens = list(engine.generate(prompt, params, k, result=res, eos_ids=set()))
+    return tokens, res
+
+
+@pytest.mark.parametrize("name", FAMILY_IDS)
+def test_greedy_mtp_equals_no_mtp(name, engine_factory):
+    """Token-for-token equality for k = 1..5, over several prompts on one loaded engine."""
+    engine = engine_factory(name)
+    assert engine.has_mtp
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        want, res0 = _run(engine, prompt, 0)
+        assert res0.metrics.num_draft_tokens == 0
+        for k in range(1, 6):
+            got, res = _run(engine, prompt, k)
+            assert got == want, f"k={k} prompt={prompt}"
+            assert res.finish_reason == "length"
+            drafted += res.metrics.num_draft_tokens
+            accepted += res.metrics.num_accepted_tokens
+            # The same request again on the same engine: nothing may leak between requests.
+            assert _run(engine, prompt, k)[0] == want
+    assert drafted > 0 and accepted > 0, "speculation never happened or never succeeded"
+    assert accepted / drafted > 0.1
+
+
+class ScriptedDrafter(MTPDrafter):
+    """Proposes the known greedy continuation with a mistake planted at a chosen draft index,
+    and, at the start of every round, checks every cache against a run without speculation."""
+
+    def __init__(self, model, sequence, k, check):
+        super().__init__(model)
+        self.sequence, self.k, self.check = sequence, k, check
+        self.round = 0
+        self.planned: list[int] = []
+
+    def propose(self, st, k, cache, params, gen):
+        self.check(st)
+        self.miss = self.round % (self.k + 1)  # index of the wrong draft (k: none)
+        self.round += 1
+        self.st = st
+        tokens, q = super().propose(st, k, cache, params, gen)
+        self.planned.append(min(self.miss, k))
+        return tokens, q
+
+    def pick(self, s, logits, params, gen):
+        true = self.sequence[self.st.pos + 1 + s]
+        return ((true + 1) % VOCAB if s == self.miss else true), None
+
+
+def _kv_of(layer_cache):
+    if isinstance(layer_cache, KVCache):
+        return [layer_cache.k[:, :, : layer_cache.length], layer_cache.v[:, :, : layer_cache.length]]
+    return [layer_cache.conv_state, layer_cache.state]
+
+
+@pytest.mark.parametrize("name", FAMILY_IDS)
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_scripted_drafts_every_accept_length_and_rollback(name, k, engine_factory):
+    """Accept lengths 0..k all occur; after each step trunk and MTP caches equal a no-spec run."""
+    engine = engine_factory(name)
+    model = engine.model
+    prompt = PROMPTS[0]
+    reference, _ = _run(engine, prompt, 0, max_tokens=30)
+    sequence = prompt + reference
+    checks = []
+
+    def check(st):
+        # Trunk: a fresh run over the accepted tokens without speculation.
+        ref_cache = model.new_cache(64)
+        with torch.no_grad():
+            model(torch.tensor([sequence[: st.pos]]), ref_cache)
+        live = engine._cache
+        assert live.length == st.pos
+        for a, b in zip(live.layers, ref_cache.layers):
+            assert a.length == b.length == st.pos
+            for x, y in zip(_kv_of(a), _kv_of(b)):
+                assert torch.allclose(x, y, atol=1e-4), "trunk cache differs after rollback"
+        # MTP head: entries (h_i, t_{i+1}) for every position before mtp_start.
+        n = st.mtp_start
+        if n:
+            with torch.no_grad():
+                out = model(torch.tensor([sequence[:n]]))
+                ref_mtp = model.new_mtp_cache(64)
+                model.mtp_forward(torch.tensor([sequence[1 : n + 1]]), out.hidden, 0, 0, ref_mtp)
+            live_mtp = engine._mtp_cache[0]
+            assert live_mtp.length >= n
+            assert torch.allclose(live_mtp.k[:, :, :n], ref_mtp[0].k[:, :, :n], atol=1e-4)
+            assert torch.allclose(live_mtp.v[:, :, :n], ref_mtp[0].v[:, :, :n], atol=1e-4)
+        checks.append(st.pos)
+
+    drafter = ScriptedDrafter(model, sequence, k, check)
+    res = Result()
+    got = list(
+        engine.generate(prompt, SamplingParams(max_tokens=30), k, result=res, drafter=drafter,
+                        eos_ids=set())
+    )
+    assert got == reference
+    assert len(checks) >= k + 1
+    # Every planned accept length happened, and the metrics counted exactly those.
+    m = res.metrics
+    assert set(range(k + 1)) <= set(drafter.planned)
+    assert m.num_accepted_tokens == sum(drafter.planned)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next_dense"])
+def test_sampling_distribution_unchanged_by_mtp(name, engine_factory):
+    """Temperature 1: next-token frequencies at a fixed depth match with and without MTP."""
+    engine = engine_factory(name)
+    prompt, depth, n = PROMPTS[1], 3, 300
+    counts = {0: torch.zeros(VOCAB), 3: torch.zeros(VOCAB)}
+    drafted = 0
+    for k in counts:
+        for seed in range(n):
+            tokens, res = _run(engine, prompt, k, max_tokens=depth, temperature=1.0, seed=seed)
+            counts[k][tokens[depth - 1]] += 1
+            drafted += res.metrics.num_draft_tokens
+    assert drafted > 0
+    # Chi-square test of homogeneity over the tokens seen enough times (others pooled).
+    a, b = counts[0], counts[3]
+    keep = (a + b) >= 10
+    a = torch.cat([a[keep], a[~keep].sum()[None]])
+    b = torch.cat([b[keep], b[~keep].sum()[None]])
+    total = a + b
+    nz = total > 0
+    ea, eb = total[nz] * a.sum() / total.sum(), total[nz] * b.sum() / total.sum()
+    chi2 = float(((a[nz] - ea) ** 2 / ea + (b[nz] - eb) ** 2 / eb).sum())
+    dof = int(nz.sum()) - 1
+    # 99.9% quantile of chi-square, Wilson-Hilferty approximation.
+    z = 3.09
+    limit = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+    assert chi2 < limit, f"chi2={chi2:.1f} dof={dof}"
+
+
+def test_sampling_reproducible_with_seed(engine_factory):
+    """The same seed gives the same sampled text, with MTP too."""
+    engine = engine_factory("llama")
+    a = _run(engine, PROMPTS[0], 3, temperature=0.8, top_p=0.9, top_k=20, seed=7)[0]
+    b = _run(engine, PROMPTS[0], 3, temperature=0.8, top_p=0.9, top_k=20, seed=7)[0]
+    assert a == b
+
+
+def test_eos_inside_accepted_draft_stops(engine_factory):
+    """A stop token inside an accepted draft ends the output there, as without MTP."""
+    engine = engine_factory("llama")
+    want, _ = _run(engine, PROMPTS[0], 0)
+    eos = want[5]
+    cut = want[: want.index(eos)]
+    for k in (0, 2, 4):
+        res = Result()
+        got = list(engine.generate(PROMPTS[0], SamplingParams(max_tokens=32), k, result=res,
+                                   eos_ids={eos}))
+        assert got == cut and res.finish_reason == "stop"
+
+
+def test_model_without_head_decodes_plainly(tmp_path):
+    """A checkpoint without MTP tensors runs with k > 0 as plain decoding."""
+    write_checkpoint(FAMILIES[0], tmp_path)
+    model = load_model(tmp_path, tokenizer=False).model
+    engine = Engine(model)
+    assert not engine.has_mtp
+    tokens, res = _run(engine, PROMPTS[0], 3)
+    assert len(tokens) == 32 and res.metrics.num_draft_tokens == 0

@@ -1,0 +1,232 @@
+"""Tiny random checkpoints for the tests, written with transformers (the reference).
+
+Each family entry builds a transformers model from a small config and saves it as a real HF
+checkpoint. For MTP tests a head is added under ``mtp.*`` and briefly trained against the
+trunk (self-distillation: predict the trunk's own greedy token two positions ahead), so that
+speculative decoding has a head that is right often enough to exercise every accept path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import warnings
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mtpkit.checkpoint import open_checkpoint
+from mtpkit.engine.loader import build_model, hf_config_of, load_model
+
+VOCAB = 96
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=10000.0, **kw,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return Qwen3ForCausalLM(cfg)
+
+
+def _qwen3_next(moe: bool):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+        num_experts=4 if moe else 0, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=1, partial_rotary_factor=0.5,
+        tie_word_embeddings=False, norm_topk_prob=True,
+    )
+    return Qwen3NextForCausalLM(cfg)
+
+
+def _qwen3_5():
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"] * 2, partial_rotary_factor=0.25,
+    )
+    return Qwen3_5ForCausalLM(cfg)
+
+
+@dataclass
+class Family:
+    """One row of the shared test table."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    mtp_config_key: str = "num_nextn_predict_layers"
+    vlm_layout: bool = False  # rewrite as a Qwen3.5 VLM checkpoint (text_config nesting)
+    init_noise: float = 0.0  # extra noise on zero-initialised norm weights (zero-centred)
+
+
+FAMILIES = [
+    Family("llama", lambda: _llama(tie_word_embeddings=False)),
+    Family("llama_tied", lambda: _llama(tie_word_embeddings=True)),
+    Family("qwen2", _qwen2),
+    Family("qwen3", _qwen3),
+    Family("qwen3_next_dense", lambda: _qwen3_next(False)),
+    Family("qwen3_next_moe", lambda: _qwen3_next(True)),
+    Family("qwen3_5_vlm", _qwen3_5, mtp_config_key="mtp_num_hidden_layers", vlm_layout=True),
+]
+FAMILY_IDS = [f.name for f in FAMILIES]
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw every weight at a scale that gives peaked, position-dependent logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                if "norm" in name and float(p.abs().sum()) == 0:  # zero-centred norms
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+                elif "norm" in name:
+                    p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+                elif "A_log" in name:
+                    p.copy_(torch.log(torch.empty(p.shape).uniform_(1, 8, generator=g)))
+                else:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                # Mixers write back into the residual stream weakly, so that the next token
+                # depends mostly on the current one (learnable by a small head) and partly on
+                # the context (so that caches matter).
+                weak = any(n in name for n in ("o_proj", "down_proj", "out_proj"))
+                scale = (0.25 if weak else 1.5) / p.shape[-1] ** 0.5
+                if "embed_tokens" in name:
+                    scale = 1.0
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def write_checkpoint(fam: Family, out: Path, seed: int = 0) -> torch.nn.Module:
+    """Save a random transformers model of this family as an HF folder; return the model."""
+    torch.manual_seed(seed)
+    model = fam.build().eval()
+    randomize(model, seed)
+    model.save_pretrained(out)
+    if fam.vlm_layout:
+        _to_vlm_layout(out)
+    return model
+
+
+def _to_vlm_layout(out: Path) -> None:
+    """Rewrite a text-only Qwen3.5 checkpoint as the VLM release layout users download."""
+    cfg = json.loads((out / "config.json").read_text())
+    nested = {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": cfg,
+        "vision_config": {"depth": 1, "hidden_size": 8},
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+    }
+    (out / "config.json").write_text(json.dumps(nested, indent=2))
+    tensors = load_file(out / "model.safetensors")
+    renamed = {}
+    for k, v in tensors.items():
+        if k.startswith("model."):
+            k = "model.language_model." + k[len("model."):]
+        renamed[k] = v.contiguous()
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def add_mtp_head(
+    out: Path, fam: Family, seed: int = 0, steps: int = 150, separate_file: bool = True
+) -> None:
+    """Train a one-layer MTP head on the trunk's own greedy text and store it as ``mtp.*``."""
+
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    target = cfg["text_config"] if "text_config" in cfg else cfg
+    target[fam.mtp_config_key] = 1
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    with warnings.catch_warnings():
+        # The config now declares a head the files lack: the loader drops it with a note.
+        warnings.simplefilter("ignore")
+        model = load_model(out, tokenizer=False).model
+        shell = build_model(hf_config_of(open_checkpoint(out)), torch.device("cpu"))
+    head = shell.mtp
+    randomize(head, seed + 1)
+    # Start the block from the trunk's last full-attention layer where the shapes agree.
+    for layer in reversed(model.model.layers):
+        try:
+            head.layers[0].load_state_dict(layer.state_dict())
+            break
+        except RuntimeError:
+            continue
+    _distill(model, head, seed, steps)
+    tensors = {f"mtp.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
+    if separate_file:
+        save_file(tensors, out / "model_mtp.safetensors", metadata={"format": "pt"})
+    else:
+        base = load_file(out / "model.safetensors")
+        base.update(tensors)
+        save_file(base, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def _distill(model, head, seed: int, steps: int) -> None:
+    """Teach the head the trunk's greedy token at i+2 from (h_i, t_{i+1})."""
+    g = torch.Generator().manual_seed(seed)
+    # Greedy continuations of random prompts: the text the head will meet when decoding.
+    seqs = []
+    with torch.no_grad():
+        for _ in range(24):
+            ids = torch.randint(0, VOCAB, (1, 4), generator=g)
+            for _ in range(28):
+                nxt = model.logits(model(ids).hidden[:, -1:]).argmax(-1)
+                ids = torch.cat([ids, nxt], 1)
+            seqs.append(ids)
+    # Random text too, so that every token is seen as context.
+    data = torch.cat([*seqs, torch.randint(0, VOCAB, (40, 32), generator=g)], 0)
+    with torch.no_grad():
+        out = model(data)
+        hidden = out.for_mtp(head.spec.trunk_hidden)[:, :-2]
+        target = model.logits(out.hidden).argmax(-1)[:, 1:-1]  # trunk's token after t_{i+1}
+        emb = model.model.embed_tokens(data[:, 1:-1])
+        cos, sin = model.rotary.cos_sin(torch.arange(data.shape[1] - 2))
+    head.train().requires_grad_(True)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        post, _ = head(emb, hidden, 0, cos, sin, None)
+        loss = torch.nn.functional.cross_entropy(
+            model.lm_head(post).flatten(0, 1).float(), target.flatten()
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.eval().requires_grad_(False)
