@@ -230,3 +230,25 @@ def _distill(model, head, seed: int, steps: int) -> None:
         loss.backward()
         opt.step()
     head.eval().requires_grad_(False)
+
+
+def write_char_tokenizer(out: Path) -> None:
+    """A character-level tokenizer over VOCAB ids (95 printable ASCII + <eos>) and a template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab["<eos>"] = len(vocab)
+    assert len(vocab) == VOCAB
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(out / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<eos>", "chat_template": template, "add_bos_token": False}
+    ))

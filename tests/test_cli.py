@@ -1,0 +1,84 @@
+"""The `mtpkit generate` command on a tiny checkpoint with a character tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from tiny import FAMILIES, write_char_tokenizer
+
+from mtpkit.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_factory, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "m"
+    shutil.copytree(checkpoint_factory(FAMILIES[0].name), out)
+    write_char_tokenizer(out)
+    return out
+
+
+def _run(capsys, *args):
+    code = main(list(args))
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_generate_streams_same_text_with_and_without_mtp(model_dir, capsys):
+    code, plain, err0 = _run(capsys, "generate", "def f(x):", "--model", str(model_dir),
+                             "--no-mtp", "--max-tokens", "24")
+    assert code == 0 and "SpecDecoding" not in err0
+    code, spec, err = _run(capsys, "generate", "def f(x):", "--model", str(model_dir),
+                           "-k", "3", "--max-tokens", "24")
+    assert code == 0
+    assert spec == plain and len(plain.strip()) > 0
+    assert "SpecDecoding metrics: Mean acceptance length:" in err
+    assert "tok/s" in err
+
+
+def test_generate_json_and_compare(model_dir, capsys):
+    code, out, _ = _run(capsys, "generate", "abc", "--model", str(model_dir), "--json",
+                        "--max-tokens", "16", "--compare", "--chat", "--ignore-eos")
+    assert code == 0
+    report = json.loads(out)
+    assert report["identical_to_baseline"] is True
+    m = report["metrics"]
+    assert m["generated_tokens"] == 16 and m["num_drafts"] > 0
+    assert m["num_draft_tokens"] >= m["num_accepted_tokens"] >= 0
+    assert len(m["per_position_acceptance_rate"]) == 3
+
+
+def test_stop_string_ends_output(model_dir, capsys):
+    _, full, _ = _run(capsys, "generate", "xyz", "--model", str(model_dir), "--json",
+                      "--max-tokens", "24", "--no-mtp")
+    text = json.loads(full)["text"]
+    stop = text[6:8]
+    _, out, _ = _run(capsys, "generate", "xyz", "--model", str(model_dir), "--json",
+                     "--max-tokens", "24", "--stop", stop)
+    got = json.loads(out)
+    assert got["text"] == text[: text.index(stop)] and got["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--top-k", "-2"], "top_k must be >= 0"),
+        (["--max-tokens", "0"], "max_tokens must be >= 1"),
+        (["-k", "-1"], "--num-draft-tokens must be >= 0"),
+        (["--max-tokens", "100000"], "exceeds the model's context"),
+        (["--device", "cuda"], "no CUDA device"),
+        (["--dtype", "int3"], "--dtype 'int3' is not one of"),
+    ],
+)
+def test_bad_arguments_give_one_clear_line(model_dir, capsys, args, message):
+    code, _, err = _run(capsys, "generate", "hi", "--model", str(model_dir), *args)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_missing_model_is_a_clear_error(tmp_path, capsys):
+    code, _, err = _run(capsys, "generate", "hi", "--model", str(tmp_path / "nope"))
+    assert code == 2 and "no such checkpoint" in err
