@@ -142,5 +142,6 @@ def test_vocab_mismatch_is_named(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["vocab_size"] = VOCAB + 4
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"(embed_tokens|lm_head)\.weight has shape \(96, 64\)"):
+    shape_error = r"(embed_tokens|lm_head)\.weight has shape \(96, 64\)"
+    with pytest.raises(CheckpointError, match=shape_error):
         _load(tmp_path)

@@ -90,7 +90,8 @@ class ScriptedDrafter(MTPDrafter):
 
 def _kv_of(layer_cache):
     if isinstance(layer_cache, KVCache):
-        return [layer_cache.k[:, :, : layer_cache.length], layer_cache.v[:, :, : layer_cache.length]]
+        n = layer_cache.length
+        return [layer_cache.k[:, :, :n], layer_cache.v[:, :, :n]]
     return [layer_cache.conv_state, layer_cache.state]
 
 
@@ -112,9 +113,9 @@ def test_scripted_drafts_every_accept_length_and_rollback(name, k, engine_factor
             model(torch.tensor([sequence[: st.pos]]), ref_cache)
         live = engine._cache
         assert live.length == st.pos
-        for a, b in zip(live.layers, ref_cache.layers):
+        for a, b in zip(live.layers, ref_cache.layers, strict=True):
             assert a.length == b.length == st.pos
-            for x, y in zip(_kv_of(a), _kv_of(b)):
+            for x, y in zip(_kv_of(a), _kv_of(b), strict=True):
                 assert torch.allclose(x, y, atol=1e-4), "trunk cache differs after rollback"
         # MTP head: entries (h_i, t_{i+1}) for every position before mtp_start.
         n = st.mtp_start

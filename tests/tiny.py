@@ -9,11 +9,10 @@ speculative decoding has a head that is right often enough to exercise every acc
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import warnings
 
 import torch
 from safetensors.torch import load_file, save_file

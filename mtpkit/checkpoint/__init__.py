@@ -20,7 +20,7 @@ def open_checkpoint(path: str | os.PathLike):
             "arbitrary code); convert it to safetensors on a trusted machine, or use the "
             "model's safetensors or GGUF release."
         )
-    if p.suffix == ".gguf" or (p.is_file() and p.read_bytes()[:4] == b"GGUF"):
+    if p.suffix == ".gguf" or (p.is_file() and _magic(p) == b"GGUF"):
         from .gguf import open_gguf
 
         return open_gguf(p)
@@ -32,3 +32,8 @@ def open_checkpoint(path: str | os.PathLike):
             "config.json and the .safetensors files"
         )
     return open_hf(p)
+
+
+def _magic(p: Path) -> bytes:
+    with open(p, "rb") as f:
+        return f.read(4)

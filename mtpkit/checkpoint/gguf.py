@@ -818,6 +818,12 @@ def _write_metadata(
             w.add_rope_scaling_factor(float(scaling["factor"]))
         if scaling.get("original_max_position_embeddings") is not None:
             w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    if arch in _V_TILED:
+        # llama.cpp's qwen35 loader requires the M-RoPE sections; HF keeps them in
+        # rope_parameters (transformers 5) or rope_scaling, defaulting to [11, 11, 10].
+        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        sections = list(params.get("mrope_section") or [11, 11, 10])
+        w.add_rope_dimension_sections((sections + [0] * 4)[:4])
     if arch in _QWEN_NEXT:
         lin = _config_linear(cfg)
         if lin is not None:
@@ -882,6 +888,13 @@ def write_gguf(
         )
     n_layer = int(hf_config["num_hidden_layers"])
     n_mtp = _count_mtp(hf_config, list(tensors), n_layer)
+    if arch in _QWEN_NEXT and _config_linear(hf_config) is None:
+        if any(".linear_attn." in name for name in tensors):
+            raise ValueError(
+                f"{arch}: linear-attention tensors need linear_num_key_heads, "
+                "linear_key_head_dim, linear_num_value_heads and linear_value_head_dim in "
+                "hf_config (their layout in GGUF depends on them)"
+            )
     renamer = _Renamer(arch, hf_config, n_layer, n_mtp)
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():

@@ -62,15 +62,16 @@ class MTPDrafter:
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for s in range(k):
-            if s:
-                ids = torch.tensor([[tokens[-1]]], device=st.mtp_ids.device)
-                out = model.mtp_forward(ids, h, s, pos, cache)
-                pos += 1
-            h = out.for_mtp(self.spec.chain_hidden)[:, -1:]
             token, q = self.pick(s, model.logits(out.hidden[:, -1]), params, gen)
             tokens.append(token)
             if q is not None:
                 qs.append(q)
+            if s + 1 < k:
+                # Chain: the head's own state and its draft feed the next position.
+                h = out.for_mtp(self.spec.chain_hidden)[:, -1:]
+                ids = torch.tensor([[token]], device=st.mtp_ids.device)
+                out = model.mtp_forward(ids, h, s + 1, pos, cache)
+                pos += 1
         return tokens, (torch.stack(qs) if qs else None)
 
     def pick(self, s, logits, params, gen) -> tuple[int, torch.Tensor | None]:

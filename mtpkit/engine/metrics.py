@@ -59,7 +59,8 @@ class SpecMetrics:
     @property
     def per_position_rate(self) -> list[float]:
         """Acceptance rate at each draft position (of drafts that reached it)."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafts_per_pos)]
+        pairs = zip(self.accepted_per_pos, self.drafts_per_pos, strict=True)
+        return [a / d if d else 0.0 for a, d in pairs]
 
     @property
     def decode_s(self) -> float:

@@ -43,7 +43,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, q_out, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
+        o_bias = bias if o_bias is None else o_bias
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, rms_norm_eps, zero_centered_norm)
             self.k_norm = RMSNorm(head_dim, rms_norm_eps, zero_centered_norm)
