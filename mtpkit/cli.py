@@ -16,6 +16,7 @@ def _generate_args(sub) -> None:
     )
     p.add_argument("prompt", help="the prompt text (or a user message with --chat)")
     p.add_argument("--model", help="checkpoint folder or .gguf file (default: the built-in model)")
+    p.add_argument("--head", help="an MTP head folder (from `mtpkit calibrate`) to use")
     p.add_argument("--num-draft-tokens", "-k", type=int, default=3,
                    help="draft tokens per step (default 3; 0 = no speculation)")
     p.add_argument("--no-mtp", action="store_true", help="decode without speculation")
@@ -38,7 +39,7 @@ def _generate_args(sub) -> None:
 
 def _cmd_generate(a) -> int:
     from .engine.sampling import SamplingParams
-    from .engine.session import Session, default_model_path
+    from .engine.session import Session
 
     params = SamplingParams(
         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
@@ -47,7 +48,7 @@ def _cmd_generate(a) -> int:
     params.validate()
     if a.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {a.num_draft_tokens}")
-    session = Session.load(a.model or default_model_path(), device=a.device, dtype=a.dtype)
+    session = Session.load(a.model, head=a.head, device=a.device, dtype=a.dtype)
     k = 0 if a.no_mtp else a.num_draft_tokens
     if k and not session.engine.has_mtp:
         print(f"note: {session.name} has no MTP head; decoding without speculation",
@@ -81,6 +82,128 @@ def _cmd_generate(a) -> int:
     return 0
 
 
+def _calibrate_args(sub) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="train an MTP head against a frozen trunk (self-distillation)",
+        description="Train (or recalibrate) an MTP head on the trunk's own predictions.",
+    )
+    p.add_argument("--model", help="trunk checkpoint (default: the built-in model)")
+    p.add_argument("--data", nargs="+", required=True, help="text files, folders or JSONL")
+    p.add_argument("--out", required=True, help="output head folder (written atomically)")
+    p.add_argument("--init", choices=["scratch", "head"], default="scratch",
+                   help="scratch: new head from the trunk's last layer; head: existing head")
+    p.add_argument("--head", help="head folder to start from")
+    p.add_argument("--draft-depth", type=int, default=1, help="chained depths to train")
+    p.add_argument("--tokens", type=int, help="training tokens (default 1M)")
+    p.add_argument("--steps", type=int, help="optimiser steps (instead of --tokens)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step and process")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--heldout-fraction", type=float, default=0.05)
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between saves")
+    p.add_argument("--resume", action="store_true", help="continue from the last save")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(a) -> int:
+    import os
+
+    from .train.calibrate import CalibrateConfig, run
+
+    if a.init == "head" and a.head is None and a.model is None:
+        a.head = _builtin_head_or_none()
+    model = a.model or str(_builtin_trunk())
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if a.device.startswith("cuda") else "gloo")
+    try:
+        cfg = CalibrateConfig(
+            model=model, data=a.data, out=a.out, init=a.init, head=a.head,
+            draft_depth=a.draft_depth, tokens=a.tokens, steps=a.steps, seed=a.seed,
+            device=a.device, seq_len=a.seq_len, batch_size=a.batch_size, lr=a.lr,
+            heldout_fraction=a.heldout_fraction, checkpoint_every=a.checkpoint_every,
+            resume=a.resume,
+        )
+        run(cfg, progress="bar" if sys.stderr.isatty() else "lines")
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+    print(f"head written to {a.out}", file=sys.stderr)
+    return 0
+
+
+def _builtin_trunk():
+    from .builtin import builtin_trunk
+
+    return builtin_trunk()
+
+
+def _builtin_head_or_none():
+    from .builtin import builtin_head
+
+    return builtin_head()
+
+
+def _eval_args(sub) -> None:
+    p = sub.add_parser("eval", help="measure MTP acceptance offline",
+                       description="Per-position acceptance of a model's MTP head on a corpus.")
+    p.add_argument("--model", help="checkpoint (default: the built-in model)")
+    p.add_argument("--head", help="head folder to lay over the model")
+    p.add_argument("--data", nargs="+", required=True, help="text files, folders or JSONL")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=3)
+    p.add_argument("--mode", choices=["teacher", "generate"], default="teacher")
+    p.add_argument("--max-tokens", type=int, default=20000,
+                   help="teacher: corpus positions; generate: tokens per prompt (default 64)")
+    p.add_argument("--prompts", type=int, default=8, help="generate mode: number of prompts")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_eval)
+
+
+def _cmd_eval(a) -> int:
+    from .engine.session import Session
+    from .train.data import list_files
+    from .train.evaluate import generate_eval, teacher_eval
+
+    if a.num_draft_tokens < 1:
+        raise ValueError(f"--num-draft-tokens must be >= 1, got {a.num_draft_tokens}")
+    files = [str(f) for f in list_files(a.data)]
+    session = Session.load(a.model, head=a.head, device=a.device)
+    if not session.engine.has_mtp:
+        raise ValueError(f"{session.name} has no MTP head to evaluate; pass --head DIR")
+    k = a.num_draft_tokens
+    if a.mode == "teacher":
+        rep = teacher_eval(session.engine.model, session.tokenizer, files, k, a.max_tokens)
+        result = rep.as_dict()
+    else:
+        max_tokens = 64 if a.max_tokens == 20000 else a.max_tokens
+        result = generate_eval(session.engine, session.tokenizer, files, k, a.prompts,
+                               max_tokens=max_tokens)
+    if a.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"MTP acceptance ({a.mode} mode, k={k})")
+    table.add_column("draft position")
+    table.add_column("acceptance rate (chained)")
+    for i, r in enumerate(result["per_position_acceptance_rate"], 1):
+        table.add_row(str(i), f"{100 * r:.1f}%")
+    Console().print(table)
+    print(f"mean acceptance length: {result['mean_acceptance_length']:.2f}")
+    if a.mode == "generate":
+        m = result
+        print(f"tokens/s with MTP: {m['tokens_per_s']:.1f}; speed-up over no MTP: "
+              f"{m['speedup']:.2f}x; output identical: {m['identical_to_no_mtp']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     from . import __version__
@@ -91,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mtpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_args(sub)
+    _calibrate_args(sub)
+    _eval_args(sub)
     return parser
 
 

@@ -64,13 +64,28 @@ def build_model(config: dict, device: torch.device) -> CausalLM:
 
 
 def load_model(
-    path, device: str | None = "cpu", dtype: str | None = None, tokenizer: bool = True
+    path,
+    device: str | None = "cpu",
+    dtype: str | None = None,
+    tokenizer: bool = True,
+    head=None,
+    new_head_layers: int = 0,
 ) -> Loaded:
-    """Open, build, load and cast a model; MTP head kept when the checkpoint has one."""
+    """Open, build, load and cast a model; ``head`` lays a separately trained head over it.
+
+    ``new_head_layers`` builds an uninitialised head of that many layers for training.
+    """
     dev = resolve_device(device)
     ckpt = open_checkpoint(path)
-    model = build_model(hf_config_of(ckpt), dev)
-    report = model.load_checkpoint(ckpt)
+    if head is not None:
+        from ..train.heads import WithHead
+
+        ckpt = WithHead(ckpt, head)
+    config = dict(hf_config_of(ckpt))
+    if new_head_layers:
+        config["num_nextn_predict_layers"] = config["mtp_num_hidden_layers"] = new_head_layers
+    model = build_model(config, dev)
+    report = model.load_checkpoint(ckpt, keep_missing_head=bool(new_head_layers))
     for note in report.notes:
         warnings.warn(note, stacklevel=2)
     model.to(resolve_dtype(dtype, dev)).eval().requires_grad_(False)
@@ -78,7 +93,8 @@ def load_model(
     if tokenizer:
         from ..checkpoint.tokenizer import Tokenizer
 
-        tok = Tokenizer.from_gguf(ckpt) if hasattr(ckpt, "arch") else Tokenizer.from_hf_dir(
-            ckpt.path
+        base = getattr(ckpt, "trunk", ckpt)
+        tok = Tokenizer.from_gguf(base) if hasattr(base, "arch") else Tokenizer.from_hf_dir(
+            base.path
         )
     return Loaded(model, tok, ckpt, report)

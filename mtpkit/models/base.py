@@ -116,8 +116,9 @@ class CausalLM(nn.Module):
         """Hook for tensors stored fused on disk (e.g. stacked experts); None: no split."""
         return None
 
-    def load_checkpoint(self, ckpt) -> LoadReport:
-        """Copy every parameter from ``ckpt``; drop the MTP head when the checkpoint has none."""
+    def load_checkpoint(self, ckpt, keep_missing_head: bool = False) -> LoadReport:
+        """Copy every parameter from ``ckpt``; drop the MTP head when the checkpoint has none
+        (``keep_missing_head``: keep it uninitialised, to be trained)."""
         params = dict(self.named_parameters())
         by_module: dict[str, str] = {}
         loaded: set[str] = set()
@@ -143,7 +144,7 @@ class CausalLM(nn.Module):
         report = LoadReport(unexpected=unexpected)
         missing = [p for p in params if p not in by_module]
         missing_mtp = [p for p in missing if p.startswith("mtp.")]
-        if self.mtp is not None and missing_mtp:
+        if self.mtp is not None and missing_mtp and not keep_missing_head:
             if len(missing_mtp) == sum(p.startswith("mtp.") for p in params):
                 report.notes.append(
                     "the config declares an MTP head but the checkpoint has no MTP tensors "

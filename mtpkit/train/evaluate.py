@@ -1,0 +1,129 @@
+"""Measure a head: teacher mode (batched, no generation) or real speculative generation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.generate import Engine, Result
+from ..engine.metrics import SpecMetrics
+from ..engine.sampling import SamplingParams
+from .data import iter_chunks
+
+
+@dataclass
+class TeacherReport:
+    """Chained greedy drafts scored against the trunk's own greedy choices over a corpus.
+
+    Draft s at position i is accepted when drafts 1..s-1 were and it equals the trunk's
+    argmax given the prefix. The trunk's argmax after a draft is known from one teacher-forced
+    pass only where the corpus continues with that draft, so the rate at depth s is measured,
+    conditionally on depth s-1 passing, at those positions; ``per_position`` chains them.
+    """
+
+    positions: int = 0
+    passed: list[int] = field(default_factory=list)  # [k] drafts accepted at depth s
+    tried: list[int] = field(default_factory=list)  # [k] drafts evaluable at depth s
+    seconds: float = 0.0
+
+    @property
+    def conditional(self) -> list[float]:
+        """P(draft s accepted | drafts before it accepted)."""
+        return [p / t if t else 0.0 for p, t in zip(self.passed, self.tried, strict=True)]
+
+    @property
+    def per_position(self) -> list[float]:
+        """P(drafts 1..s all accepted): vLLM's per-position acceptance rate."""
+        out, acc = [], 1.0
+        for c in self.conditional:
+            acc *= c
+            out.append(acc)
+        return out
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + expected accepted drafts per step."""
+        return 1.0 + sum(self.per_position)
+
+    def as_dict(self) -> dict:
+        """Plain data for --json."""
+        return {"mode": "teacher", "positions": self.positions,
+                "per_position_acceptance_rate": self.per_position,
+                "conditional_acceptance_rate": self.conditional,
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "seconds": self.seconds}
+
+
+@torch.inference_mode()
+def teacher_eval(
+    model, tokenizer, files: list[str], k: int, max_tokens: int = 20000,
+    seq_len: int = 256, batch_size: int = 4,
+) -> TeacherReport:
+    """Per-position acceptance of k chained greedy drafts, batched over corpus chunks."""
+    rep = TeacherReport(passed=[0] * k, tried=[0] * k)
+    spec = model.mtp.spec
+    t0 = time.perf_counter()
+    chunks = iter_chunks(tokenizer, files, seq_len)
+    while rep.positions < max_tokens:
+        batch = [c for _, c in zip(range(batch_size), chunks, strict=False)]
+        if not batch:
+            break
+        ids = torch.tensor(batch, device=model.lm_head.weight.device)
+        out = model(ids)
+        greedy = model.logits(out.hidden).argmax(-1)  # [B, T]: trunk's choice after each pos
+        t = ids.shape[1]
+        n = t - 1 - k  # positions i whose depth-k target greedy[i + k] exists
+        if n <= 0:
+            break
+        cos, sin = model.rotary.cos_sin(torch.arange(n, device=ids.device))
+        hidden = out.for_mtp(spec.trunk_hidden)[:, :n]
+        tokens = ids[:, 1 : 1 + n]  # the pending token x = t_{i+1}
+        # Depth 1 is exact at every position: the trunk verifies d1 given the corpus prefix.
+        alive = torch.ones_like(tokens, dtype=torch.bool)
+        for s in range(1, k + 1):
+            post, pre = model.mtp(model.model.embed_tokens(tokens), hidden, s - 1, cos, sin, None)
+            draft = model.logits(post).argmax(-1)
+            ok = draft == greedy[:, s : s + n]
+            rep.tried[s - 1] += int(alive.sum())
+            rep.passed[s - 1] += int((alive & ok).sum())
+            # Depth s+1 is evaluable where the corpus went on with this (correct) draft.
+            alive = alive & ok
+            if s < k:
+                alive = alive & (ids[:, s + 1 : s + 1 + n] == draft)
+            hidden = post if spec.chain_hidden == "post_norm" else pre
+            tokens = draft
+        rep.positions += ids.shape[0] * n
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def generate_eval(
+    engine: Engine, tokenizer, files: list[str], k: int, prompts: int = 8,
+    prompt_tokens: int = 64, max_tokens: int = 64,
+) -> dict:
+    """Real greedy speculative decoding on prompts cut from the data; vLLM-style metrics."""
+    total = SpecMetrics()
+    plain_s = spec_s = 0.0
+    identical = True
+    for n, chunk in enumerate(iter_chunks(tokenizer, files, prompt_tokens)):
+        if n >= prompts:
+            break
+        params = SamplingParams(max_tokens=max_tokens)
+        runs = {}
+        for kk in (0, k):
+            res = Result()
+            t0 = time.perf_counter()
+            for _ in engine.generate(chunk, params, kk, result=res):
+                pass
+            runs[kk] = (res, time.perf_counter() - t0)
+        identical &= runs[0][0].tokens == runs[k][0].tokens
+        total.add(runs[k][0].metrics)
+        plain_s += runs[0][1]
+        spec_s += runs[k][1]
+    d = total.as_dict()
+    d.update({"mode": "generate", "num_draft_tokens": k, "identical_to_no_mtp": identical,
+              "speedup": plain_s / spec_s if spec_s else None,
+              "seconds_without_mtp": plain_s, "seconds_with_mtp": spec_s})
+    return d

@@ -1,0 +1,97 @@
+"""MTP head files: a head trained apart from its trunk, saved and loaded under ``mtp.*`` names.
+
+A head folder holds ``mtp_head.safetensors`` (tensors named as in Qwen3.5 checkpoints) and
+``head_config.json``. ``--head DIR`` lays it over any trunk checkpoint of the same shape, so
+that "trunk + head" loads as one MTP model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..checkpoint.errors import CheckpointError
+
+HEAD_FILE = "mtp_head.safetensors"
+HEAD_CONFIG = "head_config.json"
+
+
+class WithHead:
+    """A trunk checkpoint with a separately stored head laid over it (replacing any own head)."""
+
+    def __init__(self, trunk, head_dir: str | os.PathLike) -> None:
+        self.trunk = trunk
+        self.head_dir = Path(head_dir)
+        f = self.head_dir / HEAD_FILE if self.head_dir.is_dir() else self.head_dir
+        if not f.exists():
+            raise CheckpointError(
+                f"{f}: no MTP head file; --head takes a folder written by `mtpkit calibrate` "
+                f"(with {HEAD_FILE}) or such a .safetensors file"
+            )
+        self.head_file = f
+        cfg_path = f.parent / HEAD_CONFIG
+        self.head_config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self._h = safe_open(str(f), framework="pt")
+        self._names = list(self._h.keys())
+        n_layers = 1 + max(
+            (int(k.split(".")[2]) for k in self._names if k.startswith("mtp.layers.")), default=0
+        )
+        self.n_layers = self.head_config.get("num_nextn_predict_layers", n_layers)
+        self.path = getattr(trunk, "path", None)
+
+    def hf_config(self) -> dict:
+        """The trunk's config with the head declared (under both families' key names)."""
+        from ..engine.loader import hf_config_of
+
+        cfg = dict(hf_config_of(self.trunk))
+        cfg["num_nextn_predict_layers"] = self.n_layers
+        cfg["mtp_num_hidden_layers"] = self.n_layers
+        return cfg
+
+    def tensor_names(self) -> list[str]:
+        """Trunk tensors (its own head dropped) followed by the head's."""
+        own = [n for n in self.trunk.tensor_names() if not n.startswith("mtp.")]
+        return own + self._names
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """From the head file for mtp.* names, else from the trunk."""
+        if name in self._names:
+            return self._h.get_tensor(name)
+        return self.trunk.get_tensor(name)
+
+    def __getattr__(self, name):
+        return getattr(self.trunk, name)
+
+
+def save_head(head: torch.nn.Module, out: Path, config: dict) -> None:
+    """Write a head folder atomically (temp folder beside it, then rename)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tensors = {f"mtp.{k}": v.detach().float().contiguous().cpu()
+                   for k, v in head.state_dict().items()}
+        save_file(tensors, tmp / HEAD_FILE, metadata={"format": "pt"})
+        (tmp / HEAD_CONFIG).write_text(json.dumps(config, indent=2))
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move a finished folder into place; an older one is swapped out, then removed."""
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

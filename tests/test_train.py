@@ -1,0 +1,144 @@
+"""`mtpkit calibrate` and `mtpkit eval` on a tiny trunk with a character tokenizer."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import FAMILIES, write_char_tokenizer, write_checkpoint
+
+from mtpkit.cli import main
+from mtpkit.engine.generate import Engine, Result
+from mtpkit.engine.loader import load_model
+from mtpkit.engine.sampling import SamplingParams
+from mtpkit.train.calibrate import CalibrateConfig, init_scratch_head, run
+from mtpkit.train.evaluate import teacher_eval
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    trunk = root / "trunk"
+    write_checkpoint(FAMILIES[0], trunk, seed=3)
+    write_char_tokenizer(trunk)
+    data = root / "data"
+    data.mkdir()
+    # Real text: a few standard-library modules' source.
+    import csv
+    import json as json_mod
+    import textwrap
+    for mod in (csv, json_mod, textwrap, inspect, warnings):
+        (data / f"{mod.__name__}.py").write_text(inspect.getsource(mod))
+    return root, trunk, data
+
+
+def _cfg(root, trunk, data, name, **kw):
+    base = dict(model=str(trunk), data=[str(data)], out=str(root / name), seq_len=64,
+                batch_size=4, steps=40, lr=3e-3, warmup_steps=5, heldout_fraction=0.2,
+                checkpoint_every=0)
+    base.update(kw)
+    return CalibrateConfig(**base)
+
+
+def _quiet_load(*a, **k):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_model(*a, **k)
+
+
+@pytest.fixture(scope="module")
+def trained(setup):
+    root, trunk, data = setup
+    run(_cfg(root, trunk, data, "head"), progress="off")
+    return root / "head"
+
+
+def test_calibrate_writes_head_with_split_and_improves_acceptance(setup, trained):
+    root, trunk, data = setup
+    conf = json.loads((trained / "head_config.json").read_text())
+    train, held = conf["data"]["train"], conf["data"]["heldout"]
+    assert held and train and not set(train) & set(held)
+    assert conf["calibration"]["steps_done"] == 40
+    assert set(load_file(trained / "mtp_head.safetensors")) >= {"mtp.fc.weight", "mtp.norm.weight"}
+    after = _quiet_load(trunk, head=trained)
+    before = _quiet_load(trunk, new_head_layers=1)
+    init_scratch_head(before.model)
+    rep_after = teacher_eval(after.model, after.tokenizer, held, 2, max_tokens=2000, seq_len=64)
+    rep_before = teacher_eval(before.model, before.tokenizer, held, 2, max_tokens=2000,
+                              seq_len=64)
+    assert rep_after.positions > 500
+    assert rep_after.per_position[0] > rep_before.per_position[0] + 0.1
+
+
+def test_trunk_plus_head_is_lossless(setup, trained):
+    _, trunk, _ = setup
+    loaded = _quiet_load(trunk, head=trained)
+    engine = Engine(loaded.model, loaded.tokenizer)
+    prompt = loaded.tokenizer.encode("def load(fp):")
+    want = list(engine.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True), 0))
+    res = Result()
+    got = list(engine.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True), 3,
+                               result=res))
+    assert got == want
+    assert res.metrics.num_accepted_tokens > 0
+
+
+def test_resume_continues_exactly(setup):
+    root, trunk, data = setup
+    run(_cfg(root, trunk, data, "straight", steps=12), progress="off")
+    # Interrupted after 6 of 12 steps (token budget), then resumed from its saved state.
+    run(_cfg(root, trunk, data, "resumed", steps=12, tokens=6 * 4 * 64, checkpoint_every=3),
+        progress="off")
+    run(_cfg(root, trunk, data, "resumed", steps=12, resume=True, checkpoint_every=3),
+        progress="off")
+    a = load_file(root / "straight" / "mtp_head.safetensors")
+    b = load_file(root / "resumed" / "mtp_head.safetensors")
+    assert json.loads((root / "resumed" / "head_config.json").read_text())[
+        "calibration"]["steps_done"] == 12
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def test_eval_cli_teacher_and_generate(setup, trained, capsys):
+    _, trunk, data = setup
+    held = json.loads((trained / "head_config.json").read_text())["data"]["heldout"]
+    code = main(["eval", "--model", str(trunk), "--head", str(trained), "--data", *held,
+                 "-k", "2", "--json", "--max-tokens", "1000"])
+    teacher = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(teacher["per_position_acceptance_rate"]) == 2
+    assert teacher["per_position_acceptance_rate"][0] > 0
+    code = main(["eval", "--model", str(trunk), "--head", str(trained), "--data", *held,
+                 "-k", "2", "--json", "--mode", "generate", "--prompts", "2",
+                 "--max-tokens", "24"])
+    gen = json.loads(capsys.readouterr().out)
+    assert code == 0 and gen["identical_to_no_mtp"] is True and gen["num_drafts"] > 0
+
+
+def test_eval_without_head_is_a_clear_error(setup, capsys):
+    _, trunk, data = setup
+    assert main(["eval", "--model", str(trunk), "--data", str(data)]) == 2
+    assert "has no MTP head" in capsys.readouterr().err
+
+
+def test_data_parallel_ranks_agree(setup):
+    """Two CPU processes under torchrun (gloo) end with identical weights."""
+    root, trunk, data = setup
+    out = root / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_port=29517", "-m", "mtpkit.cli", "calibrate", "--model", str(trunk),
+           "--data", str(data), "--out", str(out), "--steps", "4", "--seq-len", "64",
+           "--batch-size", "2", "--checkpoint-every", "0"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cal = json.loads((out / "head_config.json").read_text())["calibration"]
+    assert cal["world_size"] == 2
+    assert cal["max_weight_diff_between_ranks"] == 0.0
+    assert cal["tokens_done"] == 4 * 2 * 2 * 64
