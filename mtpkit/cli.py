@@ -20,6 +20,8 @@ def _generate_args(sub) -> None:
     p.add_argument("--num-draft-tokens", "-k", type=int, default=3,
                    help="draft tokens per step (default 3; 0 = no speculation)")
     p.add_argument("--no-mtp", action="store_true", help="decode without speculation")
+    p.add_argument("--full-draft-vocab", action="store_true",
+                   help="draft over the whole vocabulary, not the head's frequent-token subset")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
@@ -48,7 +50,8 @@ def _cmd_generate(a) -> int:
     params.validate()
     if a.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {a.num_draft_tokens}")
-    session = Session.load(a.model, head=a.head, device=a.device, dtype=a.dtype)
+    session = Session.load(a.model, head=a.head, device=a.device, dtype=a.dtype,
+                           full_draft_vocab=a.full_draft_vocab)
     k = 0 if a.no_mtp else a.num_draft_tokens
     if k and not session.engine.has_mtp:
         print(f"note: {session.name} has no MTP head; decoding without speculation",
@@ -103,6 +106,9 @@ def _calibrate_args(sub) -> None:
     p.add_argument("--heldout-fraction", type=float, default=0.05)
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between saves")
     p.add_argument("--resume", action="store_true", help="continue from the last save")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="record the N most frequent training tokens as the draft vocabulary "
+                        "(0: draft over the whole vocabulary)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=_cmd_calibrate)
@@ -127,7 +133,7 @@ def _cmd_calibrate(a) -> int:
             draft_depth=a.draft_depth, tokens=a.tokens, steps=a.steps, seed=a.seed,
             device=a.device, seq_len=a.seq_len, batch_size=a.batch_size, lr=a.lr,
             heldout_fraction=a.heldout_fraction, checkpoint_every=a.checkpoint_every,
-            resume=a.resume,
+            resume=a.resume, draft_vocab=a.draft_vocab,
         )
         run(cfg, progress="bar" if sys.stderr.isatty() else "lines")
     finally:
@@ -178,7 +184,9 @@ def _cmd_eval(a) -> int:
         raise ValueError(f"{session.name} has no MTP head to evaluate; pass --head DIR")
     k = a.num_draft_tokens
     if a.mode == "teacher":
-        rep = teacher_eval(session.engine.model, session.tokenizer, files, k, a.max_tokens)
+        drafter = session.engine.drafter
+        rep = teacher_eval(session.engine.model, session.tokenizer, files, k, a.max_tokens,
+                           draft_vocab=drafter.vocab)
         result = rep.as_dict()
     else:
         max_tokens = 64 if a.max_tokens == 20000 else a.max_tokens

@@ -30,7 +30,9 @@ def _emitted_distribution(p, q, n=20000, seed=0):
 def test_sampled_rule_reproduces_target_distribution():
     """Whatever the draft distribution, emitted tokens follow the target's."""
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    for q in (torch.tensor([0.1, 0.1, 0.1, 0.7]), torch.tensor([0.25] * 4), p.clone()):
+    drafts = (torch.tensor([0.1, 0.1, 0.1, 0.7]), torch.tensor([0.25] * 4), p.clone(),
+              torch.tensor([0.0, 0.6, 0.0, 0.4]))  # the last: a draft vocabulary subset
+    for q in drafts:
         got = _emitted_distribution(p, q)
         assert (got - p).abs().max() < 0.02, (q, got)
 

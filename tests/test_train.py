@@ -142,3 +142,36 @@ def test_data_parallel_ranks_agree(setup):
     assert cal["world_size"] == 2
     assert cal["max_weight_diff_between_ranks"] == 0.0
     assert cal["tokens_done"] == 4 * 2 * 2 * 64
+
+
+def test_draft_vocab_subset_is_lossless(setup, trained):
+    """Drafting from a frequent-token subset keeps greedy and seeded sampled output exact."""
+    _, trunk, _ = setup
+    vocab = json.loads((trained / "draft_vocab.json").read_text())["token_ids"]
+    assert len(vocab) > 60
+    subset = vocab[:-20]  # a strict subset: the 20 rarest training tokens are left out
+    loaded = _quiet_load(trunk, head=trained)
+    full = Engine(loaded.model, loaded.tokenizer)
+    sub = Engine(loaded.model, loaded.tokenizer, draft_vocab=torch.tensor(subset))
+    prompt = loaded.tokenizer.encode("class JSONDecoder(object):")
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = list(full.generate(prompt, greedy, 0))
+    res = Result()
+    assert list(sub.generate(prompt, greedy, 3, result=res)) == want
+    assert res.metrics.num_accepted_tokens > 0
+    # Every drafted token came from the subset.
+    drafts = []
+    orig = sub.drafter.pick
+
+    def spy(*a):
+        token, q = orig(*a)
+        drafts.append(token)
+        if q is not None:
+            assert float(q.sum()) == pytest.approx(1.0, abs=1e-5)
+            assert float(q[[t for t in range(q.numel()) if t not in subset]].sum()) == 0
+        return token, q
+
+    sub.drafter.pick = spy
+    sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True)
+    list(sub.generate(prompt, sampled, 3))
+    assert drafts and set(drafts) <= set(subset)

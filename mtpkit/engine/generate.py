@@ -39,11 +39,28 @@ class Result:
 
 
 class MTPDrafter:
-    """Proposes k tokens by chaining the model's MTP head; keeps the head's cache in step."""
+    """Proposes k tokens by chaining the model's MTP head; keeps the head's cache in step.
 
-    def __init__(self, model: CausalLM) -> None:
+    With a draft vocabulary (the N most frequent tokens of the head's training data) the head
+    scores only those N rows of the lm_head: a 49k-token lm_head is most of a small head's
+    cost. Output stays exact: verification scores the full vocabulary, and a sampled draft's
+    q is zero outside the subset, which the accept rule handles.
+    """
+
+    def __init__(self, model: CausalLM, draft_vocab: torch.Tensor | None = None) -> None:
         self.model = model
         self.spec = model.mtp.spec
+        self.vocab = None
+        if draft_vocab is not None and len(draft_vocab):
+            w = model.lm_head.weight
+            self.vocab = draft_vocab.to(w.device)
+            self.sub_weight = w[self.vocab].contiguous()  # [N, D]
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [1, N or V] of the draft for head states [1, D]."""
+        if self.vocab is None:
+            return self.model.logits(hidden)
+        return (hidden @ self.sub_weight.T).float()
 
     def propose(
         self,
@@ -62,7 +79,7 @@ class MTPDrafter:
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for s in range(k):
-            token, q = self.pick(s, model.logits(out.hidden[:, -1]), params, gen)
+            token, q = self.pick(s, self.head_logits(out.hidden[:, -1]), params, gen)
             tokens.append(token)
             if q is not None:
                 qs.append(q)
@@ -75,17 +92,29 @@ class MTPDrafter:
         return tokens, (torch.stack(qs) if qs else None)
 
     def pick(self, s, logits, params, gen) -> tuple[int, torch.Tensor | None]:
-        """Choose draft token s from the head's logits [1, V]."""
+        """Draft token s (a vocabulary id) and, when sampling, its full-vocabulary q [V]."""
         if params.greedy:
-            return int(logits[0].argmax()), None
+            i = int(logits[0].argmax())
+            return (int(self.vocab[i]) if self.vocab is not None else i), None
         q = probs(logits[0], params)
-        return int(sample(q, gen)), q
+        i = int(sample(q, gen))
+        if self.vocab is None:
+            return i, q
+        full = torch.zeros(self.model.config.vocab_size, device=q.device)
+        full[self.vocab] = q
+        return int(self.vocab[i]), full
 
 
 class Engine:
     """A loaded model ready to serve requests one at a time; nothing leaks between them."""
 
-    def __init__(self, model: CausalLM, tokenizer=None, max_model_len: int | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer=None,
+        max_model_len: int | None = None,
+        draft_vocab: torch.Tensor | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.device = model.lm_head.weight.device
@@ -93,7 +122,7 @@ class Engine:
         self._cache: ModelCache | None = None
         self._mtp_cache: ModelCache | None = None
         self._cache_len = 0
-        self.drafter = MTPDrafter(model) if model.mtp is not None else None
+        self.drafter = MTPDrafter(model, draft_vocab) if model.mtp is not None else None
 
     @property
     def has_mtp(self) -> bool:

@@ -20,6 +20,7 @@ class Loaded:
     tokenizer: object | None
     checkpoint: object
     report: LoadReport
+    draft_vocab: object = None  # token ids a separately trained head drafts from
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -97,4 +98,6 @@ def load_model(
         tok = Tokenizer.from_gguf(base) if hasattr(base, "arch") else Tokenizer.from_hf_dir(
             base.path
         )
-    return Loaded(model, tok, ckpt, report)
+    vocab = getattr(ckpt, "draft_vocab", None)
+    vocab = torch.tensor(vocab, device=dev) if vocab else None
+    return Loaded(model, tok, ckpt, report, vocab)

@@ -28,14 +28,19 @@ class Session:
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
 
     @classmethod
-    def load(cls, path=None, head=None, device: str = "cpu", dtype: str | None = None) -> Session:
+    def load(
+        cls, path=None, head=None, device: str = "cpu", dtype: str | None = None,
+        full_draft_vocab: bool = False,
+    ) -> Session:
         """Load a checkpoint folder or GGUF file (default: the built-in model) and tokenizer."""
         if path is None:
             from ..builtin import builtin_head, builtin_trunk
 
             path, head = builtin_trunk(), head or builtin_head()
         loaded = load_model(path, device=device, dtype=dtype, head=head)
-        return cls(Engine(loaded.model, loaded.tokenizer), loaded.tokenizer, str(path))
+        vocab = None if full_draft_vocab else loaded.draft_vocab
+        engine = Engine(loaded.model, loaded.tokenizer, draft_vocab=vocab)
+        return cls(engine, loaded.tokenizer, str(path))
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
         """Token ids of a raw prompt, or of a user message under the chat template."""

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from ..engine.loader import load_model
 from .data import iter_chunks, list_files, split_files
-from .heads import save_head
+from .heads import save_head, top_tokens
 
 
 @dataclass
@@ -44,6 +44,7 @@ class CalibrateConfig:
     lr: float = 1e-3
     warmup_steps: int = 20
     heldout_fraction: float = 0.05
+    draft_vocab: int = 8192  # keep the N most frequent training tokens for drafting (0: all)
     checkpoint_every: int = 50
     resume: bool = False
     split: dict = field(default_factory=dict)
@@ -157,6 +158,7 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
         return cfg.lr * warm * max(0.1, 1 - s / total_steps)
 
     chunks = iter_chunks(tok, train_files, cfg.seq_len, skip=skip)
+    counts = torch.zeros(model.config.vocab_size, dtype=torch.long)
     bar = _progress(progress if rank == 0 else "off", total_steps, step)
     t0 = time.perf_counter()
     agree_run = count_run = 0
@@ -173,6 +175,7 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
         if len(batch) < cfg.batch_size:
             break  # the data ran out: stop with what was learned
         ids = torch.tensor(batch, device=cfg.device)
+        counts += torch.bincount(ids.flatten().cpu(), minlength=counts.numel())
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step)
         # Through the DDP wrapper (when distributed) so gradients are averaged across ranks.
@@ -219,7 +222,8 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
             },
             "data": cfg.split,
         }
-        save_head(head, out, summary)
+        vocab = top_tokens(counts, cfg.draft_vocab) if cfg.draft_vocab else None
+        save_head(head, out, summary, vocab)
     return head
 
 

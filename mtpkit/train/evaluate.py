@@ -59,9 +59,12 @@ class TeacherReport:
 @torch.inference_mode()
 def teacher_eval(
     model, tokenizer, files: list[str], k: int, max_tokens: int = 20000,
-    seq_len: int = 256, batch_size: int = 4,
+    seq_len: int = 256, batch_size: int = 4, draft_vocab: torch.Tensor | None = None,
 ) -> TeacherReport:
-    """Per-position acceptance of k chained greedy drafts, batched over corpus chunks."""
+    """Per-position acceptance of k chained greedy drafts, batched over corpus chunks.
+
+    With ``draft_vocab`` the drafts come from that token subset, as when decoding."""
+    sub = model.lm_head.weight[draft_vocab] if draft_vocab is not None else None
     rep = TeacherReport(passed=[0] * k, tried=[0] * k)
     spec = model.mtp.spec
     t0 = time.perf_counter()
@@ -84,7 +87,10 @@ def teacher_eval(
         alive = torch.ones_like(tokens, dtype=torch.bool)
         for s in range(1, k + 1):
             post, pre = model.mtp(model.model.embed_tokens(tokens), hidden, s - 1, cos, sin, None)
-            draft = model.logits(post).argmax(-1)
+            if sub is None:
+                draft = model.logits(post).argmax(-1)
+            else:
+                draft = draft_vocab[(post @ sub.T).argmax(-1)]
             ok = draft == greedy[:, s : s + n]
             rep.tried[s - 1] += int(alive.sum())
             rep.passed[s - 1] += int((alive & ok).sum())

