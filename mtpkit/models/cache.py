@@ -107,21 +107,17 @@ class ModelCache:
     @property
     def length(self) -> int:
         """Tokens processed so far (every layer agrees)."""
-        return self.layers[0].length if self.layers else self._length
-
-    _length = 0
+        return self.layers[0].length
 
     def trim(self, n: int) -> None:
         """Return every layer to position ``n``."""
         for layer in self.layers:
             layer.trim(n)
-        self._length = n
 
     def reset(self) -> None:
         """Empty every layer."""
         for layer in self.layers:
             layer.reset()
-        self._length = 0
 
     def __getitem__(self, i: int) -> LayerCache:
         return self.layers[i]

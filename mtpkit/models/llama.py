@@ -112,9 +112,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """A static KV cache for this layer."""
-        w = self.self_attn.k_proj.weight
-        c = self.cfg
-        return KVCache(batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
+        return self.self_attn.new_cache(batch, max_len)
 
 
 class LlamaInner(nn.Module):

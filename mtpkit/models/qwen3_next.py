@@ -17,7 +17,6 @@ from torch import nn
 
 from .attention import Attention
 from .base import CausalLM
-from .cache import KVCache
 from .config import ConfigBase, require
 from .gated_delta import GatedDeltaNet
 from .layers import MLP, RMSNorm, Rotary
@@ -172,9 +171,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         if self.kind == "linear_attention":
             w = self.linear_attn.out_proj.weight
             return self.linear_attn.new_cache(batch, w.device)
-        w = self.self_attn.k_proj.weight
-        c = self.cfg
-        return KVCache(batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
+        return self.self_attn.new_cache(batch, max_len)
 
 
 class Qwen3NextInner(nn.Module):
