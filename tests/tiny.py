@@ -84,6 +84,31 @@ def _qwen3_5():
     return Qwen3_5ForCausalLM(cfg)
 
 
+def _randomize_router_bias(model, scale: float = 0.1) -> None:
+    """DeepSeek-style routers keep e_score_correction_bias as a buffer that randomize() skips."""
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(scale * torch.randn(buf.shape))
+
+
+def _glm4_moe():
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    # 8 experts in 4 groups, 2 groups kept: group-limited routing is exercised; layer 0 dense.
+    cfg = Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1, n_routed_experts=8,
+        routed_scaling_factor=2.5, n_group=4, topk_group=2, first_k_dense_replace=1,
+        norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+        tie_word_embeddings=False,
+    )
+    model = Glm4MoeForCausalLM(cfg)
+    _randomize_router_bias(model)
+    return model
+
+
 @dataclass
 class Family:
     """One row of the shared test table."""
@@ -93,6 +118,10 @@ class Family:
     mtp_config_key: str = "num_nextn_predict_layers"
     vlm_layout: bool = False  # rewrite as a Qwen3.5 VLM checkpoint (text_config nesting)
     init_noise: float = 0.0  # extra noise on zero-initialised norm weights (zero-centred)
+    # "mtp": the head is saved under mtp.*; "deepseek": as model.layers.{num_hidden_layers}.*
+    # (enorm, hnorm, eh_proj, shared_head.norm/head, embed_tokens, the decoder block), as
+    # DeepSeek-V3 and GLM-4.5 releases store it.
+    mtp_layout: str = "mtp"
 
 
 FAMILIES = [
@@ -103,6 +132,7 @@ FAMILIES = [
     Family("qwen3_next_dense", lambda: _qwen3_next(False)),
     Family("qwen3_next_moe", lambda: _qwen3_next(True)),
     Family("qwen3_5_vlm", _qwen3_5, mtp_config_key="mtp_num_hidden_layers", vlm_layout=True),
+    Family("glm4_moe", _glm4_moe, mtp_layout="deepseek"),
 ]
 FAMILY_IDS = [f.name for f in FAMILIES]
 
@@ -190,12 +220,34 @@ def add_mtp_head(
             continue
     _distill(model, head, seed, steps)
     tensors = {f"mtp.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
+    if fam.mtp_layout == "deepseek":
+        tensors = to_deepseek_layout(tensors, target["num_hidden_layers"], model)
     if separate_file:
         save_file(tensors, out / "model_mtp.safetensors", metadata={"format": "pt"})
     else:
         base = load_file(out / "model.safetensors")
         base.update(tensors)
         save_file(base, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def to_deepseek_layout(tensors: dict, n_layers: int, model) -> dict:
+    """mtp.* head tensors -> model.layers.{n_layers}.* names, with the optional copies of the
+    trunk's lm_head and embedding that DeepSeek-V3 / GLM releases carry in the MTP layer."""
+    from mtpkit.models.mtp import NEXTN_NAMES
+
+    prefix = f"model.layers.{n_layers}."
+    by_mtp = {f"mtp.{new}.weight": f"{prefix}{old}.weight" for old, new in NEXTN_NAMES.items()}
+    out = {}
+    for k, v in tensors.items():
+        if k in by_mtp:
+            out[by_mtp[k]] = v
+        elif k.startswith("mtp.layers.0."):
+            out[prefix + k[len("mtp.layers.0."):]] = v
+        else:
+            raise ValueError(f"no DeepSeek-style name for {k}")
+    out[prefix + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    out[prefix + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    return out
 
 
 def _distill(model, head, seed: int, steps: int) -> None:

@@ -6,7 +6,6 @@ Qwen3.5's ``mtp.*`` names with one Llama decoder layer, and loads with the trunk
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,7 @@ from .base import CausalLM
 from .cache import KVCache
 from .config import ConfigBase
 from .layers import MLP, RMSNorm, Rotary
-from .mtp import MTPHead, MTPSpec
+from .mtp import NEXTN_NAMES, MTPHead, MTPSpec, map_nextn_name
 
 
 @dataclass
@@ -144,18 +143,9 @@ class LlamaForCausalLM(CausalLM):
             self.mtp = MTPHead(cfg.hidden_size, spec, lambda i: LlamaDecoderLayer(cfg))
 
     # DeepSeek-style names of an MTP layer (what GGUF's blk.N.nextn.* maps back to).
-    _NEXTN = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
-              "shared_head.norm": "norm"}
+    _NEXTN = NEXTN_NAMES
 
     def map_checkpoint_name(self, name: str) -> str | None:
         """Also read a head stored as model.layers.{num_hidden_layers + i}.* (GGUF nextn)."""
-        m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
-        if not m or int(m[1]) < self.config.num_hidden_layers:
-            return super().map_checkpoint_name(name)
-        i, rest = int(m[1]) - self.config.num_hidden_layers, m[2]
-        for old, new in self._NEXTN.items():
-            if rest == f"{old}.weight":
-                return f"mtp.{new}.weight"
-        if rest.startswith(("shared_head.head", "embed_tokens")):
-            return None  # copies of the trunk's lm_head / embedding, which the head shares
-        return f"mtp.layers.{i}.{rest}"
+        mapped = map_nextn_name(name, self.config.num_hidden_layers)
+        return super().map_checkpoint_name(name) if mapped == name else mapped

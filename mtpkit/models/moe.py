@@ -1,4 +1,9 @@
-"""Mixture of experts with softmax top-k routing and a gated shared expert (Qwen3-Next/3.5)."""
+"""Mixture-of-experts layers.
+
+- ``SparseMoE``: softmax top-k routing and a gated shared expert (Qwen3-Next / 3.5).
+- ``GroupedMoE``: DeepSeek-V3 / GLM-4.5 routing (sigmoid scores, a bias that steers only the
+  choice, group-limited top-k, routed scaling) plus always-on shared experts.
+"""
 
 from __future__ import annotations
 
@@ -55,6 +60,95 @@ class SparseMoE(nn.Module):
             out.index_add_(0, rows, self.experts[e](x[rows]) * top_w[rows, slot, None])
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+
+class GroupedTopKRouter(nn.Module):
+    """``mlp.gate``: sigmoid expert scores; choice among the best ``topk_group`` groups.
+
+    The ``e_score_correction_bias`` (load balancing) shifts which experts are chosen, but the
+    weights are the unbiased scores of the chosen ones. It stays fp32 when the model is cast,
+    as in the reference implementations: bf16 rounding of it can flip close choices.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.scale = norm_topk_prob, routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+
+    def _apply(self, fn, recurse=True):
+        bias = self.e_score_correction_bias.data
+        out = super()._apply(fn, recurse)
+        new = self.e_score_correction_bias
+        if new.dtype != torch.float32 and bias.dtype == torch.float32 and new.device.type != "meta":
+            new.data = bias.to(new.device)
+        return out
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, top_k] fp32, expert ids [N, top_k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        n, e = choice.shape
+        if self.n_group > 1:
+            # A group's merit is the sum of its two best (biased) scores; experts outside the
+            # topk_group best groups cannot be chosen.
+            grouped = choice.view(n, self.n_group, e // self.n_group)
+            merit = grouped.topk(min(2, e // self.n_group), dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(merit, dtype=torch.bool)
+            keep.scatter_(1, merit.topk(self.topk_group, dim=-1)[1], True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
+        top_i = choice.topk(self.top_k, dim=-1)[1]
+        top_w = scores.gather(1, top_i)
+        if self.norm_topk_prob:
+            top_w = top_w / (top_w.sum(-1, keepdim=True) + 1e-20)
+        return top_w * self.scale, top_i
+
+
+class GroupedMoE(nn.Module):
+    """DeepSeek-V3 / GLM-4.5 MoE: ``gate``, ``experts.E.*``, ``shared_experts`` (always on)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        expert_size: int,
+        n_shared_experts: int,
+        n_group: int = 1,
+        topk_group: int = 1,
+        norm_topk_prob: bool = True,
+        routed_scaling_factor: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.gate = GroupedTopKRouter(hidden_size, num_experts, top_k, n_group, topk_group,
+                                      norm_topk_prob, routed_scaling_factor)
+        self.experts = nn.ModuleList(MLP(hidden_size, expert_size) for _ in range(num_experts))
+        # The shared experts are stored as one MLP n_shared_experts times as wide.
+        shared = expert_size * n_shared_experts
+        self.shared_experts = MLP(hidden_size, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        top_w, top_i = self.gate(x)
+        out = torch.zeros_like(x)
+        for e in top_i.unique().tolist():
+            rows, slot = torch.where(top_i == e)
+            y = self.experts[e](x[rows]) * top_w[rows, slot, None]
+            out.index_add_(0, rows, y.to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out.reshape(shape)
 
 

@@ -13,6 +13,7 @@ Module names are Qwen3.5's ``mtp.*`` names; other layouts are renamed on load by
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,3 +65,33 @@ class MTPHead(nn.Module):
         x = self.fc(torch.cat([e, h] if self.spec.emb_first else [h, e], dim=-1))
         x = self.layers[step % len(self.layers)](x, cos, sin, cache)
         return self.norm(x), x
+
+
+# DeepSeek-style names of an MTP layer's own modules (below model.layers.{L}) -> MTPHead names.
+NEXTN_NAMES = {
+    "enorm": "pre_fc_norm_embedding",
+    "hnorm": "pre_fc_norm_hidden",
+    "eh_proj": "fc",
+    "shared_head.norm": "norm",
+}
+
+
+def map_nextn_name(name: str, num_hidden_layers: int, num_mtp_layers: int | None = None):
+    """``model.layers.{num_hidden_layers + i}.*`` (DeepSeek / GLM / GGUF nextn) -> ``mtp.*``.
+
+    Returns the name unchanged when it is not an MTP layer's (or belongs to a layer at or past
+    ``num_mtp_layers``, which the caller then reports as unused), None for the copies of the
+    trunk's lm_head / embedding that such a layer may carry (the head shares the trunk's).
+    """
+    m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+    if not m or int(m[1]) < num_hidden_layers:
+        return name
+    i, rest = int(m[1]) - num_hidden_layers, m[2]
+    if num_mtp_layers is not None and i >= num_mtp_layers:
+        return name
+    for old, new in NEXTN_NAMES.items():
+        if rest == f"{old}.weight":
+            return f"mtp.{new}.weight"
+    if rest.startswith(("shared_head.head", "embed_tokens")):
+        return None
+    return f"mtp.layers.{i}.{rest}"

@@ -1,0 +1,239 @@
+"""GLM-4.5 / 4.6 / 4.7 and GLM-4.5-Air (``glm4_moe``): GQA + DeepSeek-style MoE, native MTP.
+
+Attention is grouped-query with q/k/v biases (``attention_bias``; o_proj never has one), an
+optional per-head q/k RMSNorm (``use_qk_norm``) and rotary embedding on the first
+``partial_rotary_factor`` of each head in the half-split (NeoX) layout, as transformers and
+vLLM apply it. The first ``first_k_dense_replace`` layers have a dense MLP, the rest
+DeepSeek-V3 routing (see ``moe.GroupedMoE``). The MTP head is stored DeepSeek-style as
+``model.layers.{num_hidden_layers + i}.*`` (92 for GLM-4.5, 46 for Air) and renamed onto
+``mtp.*`` on load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .base import CausalLM
+from .cache import KVCache
+from .config import ConfigBase, require
+from .layers import MLP, RMSNorm, Rotary
+from .moe import GroupedMoE, split_fused_experts
+from .mtp import MTPHead, MTPSpec, map_nextn_name
+
+
+def deepseek_mtp_spec(num_layers: int, eps: float) -> MTPSpec:
+    """How DeepSeek-V3 and GLM-4.5 wire their MTP layer (shared by both families)."""
+    # The first draft step reads the trunk's state after its final norm, as vLLM feeds it.
+    # Chaining feeds back the MTP block's output BEFORE shared_head.norm: vLLM's
+    # DeepSeekMultiTokenPredictorLayer returns that state and applies shared_head.norm only
+    # in compute_logits, and the DeepSeek-V3 report defines depth k's input as depth k-1's
+    # block output. (transformers' generic MtpLayer chains the normed state instead; the
+    # releases were tuned and measured with vLLM / SGLang, so we follow them.)
+    return MTPSpec(num_layers, emb_first=True, trunk_hidden="post_norm",
+                   chain_hidden="pre_norm", eps=eps)
+
+
+@dataclass
+class Glm4MoeConfig(ConfigBase):
+    """The config.json keys of a GLM-4.5-family checkpoint that we use."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    partial_rotary_factor: float = 0.5
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    use_qk_norm: bool = False
+    hidden_act: str = "silu"
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 0
+    num_nextn_predict_layers: int = 0
+
+    @classmethod
+    def from_hf_config(cls, d: dict) -> Glm4MoeConfig:
+        """Keep the known keys (top level or rope_parameters), fill defaults, validate."""
+        mt = d.get("model_type", "glm4_moe")
+        require(d, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                model_type=mt)
+        heads = d["num_attention_heads"]
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        # transformers fills 0.5 when a GLM config omits it (the released configs say 0.5).
+        partial = d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 0.5
+        scaling = rope if rope.get("rope_type", rope.get("type")) not in (None, "default") else None
+        cfg = cls(
+            model_type=mt,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d.get("intermediate_size") or 0,
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            partial_rotary_factor=float(partial),
+            max_position_embeddings=d.get("max_position_embeddings", 131072),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            use_qk_norm=bool(d.get("use_qk_norm", False)),
+            hidden_act=d.get("hidden_act", "silu"),
+            **moe_fields(d),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Reject configs this family cannot run."""
+        super().validate()
+        validate_moe(self)
+
+    def is_moe(self, i: int) -> bool:
+        """Whether layer i (MTP layers count on from num_hidden_layers) has experts."""
+        return self.n_routed_experts > 0 and i >= self.first_k_dense_replace
+
+
+def moe_fields(d: dict) -> dict:
+    """The DeepSeek-style MoE and MTP keys of an HF config dict (GLM-4.5, DeepSeek-V3)."""
+    return dict(
+        n_routed_experts=d.get("n_routed_experts") or 0,
+        num_experts_per_tok=d.get("num_experts_per_tok") or 1,
+        moe_intermediate_size=d.get("moe_intermediate_size") or 0,
+        n_shared_experts=d.get("n_shared_experts") or 0,
+        n_group=d.get("n_group") or 1,
+        topk_group=d.get("topk_group") or 1,
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        first_k_dense_replace=d.get("first_k_dense_replace") or 0,
+        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
+    )
+
+
+def validate_moe(cfg) -> None:
+    """Checks shared by the DeepSeek-style MoE configs."""
+    if cfg.hidden_act != "silu":
+        cfg.fail(f"hidden_act={cfg.hidden_act!r} is not supported (only silu)")
+    if cfg.first_k_dense_replace > 0 or cfg.n_routed_experts == 0:
+        if cfg.intermediate_size <= 0:
+            cfg.fail("dense layers need intermediate_size")
+    if cfg.n_routed_experts:
+        if cfg.n_routed_experts % cfg.n_group:
+            cfg.fail(f"n_routed_experts={cfg.n_routed_experts} is not a multiple of "
+                     f"n_group={cfg.n_group}")
+        if not 1 <= cfg.topk_group <= cfg.n_group:
+            cfg.fail(f"topk_group={cfg.topk_group} must lie in 1..n_group={cfg.n_group}")
+        allowed = cfg.n_routed_experts // cfg.n_group * cfg.topk_group
+        if cfg.num_experts_per_tok > allowed:
+            cfg.fail(f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the {allowed} "
+                     "experts that the topk_group groups hold")
+        if cfg.moe_intermediate_size <= 0:
+            cfg.fail("an MoE model needs moe_intermediate_size")
+
+
+def make_mlp(cfg, moe: bool) -> nn.Module:
+    """Dense SwiGLU MLP or DeepSeek-style MoE, as the config says for one layer."""
+    if not moe:
+        return MLP(cfg.hidden_size, cfg.intermediate_size)
+    return GroupedMoE(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                      cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.n_group,
+                      cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+
+class Glm4MoeDecoderLayer(nn.Module):
+    """Pre-norm GQA + dense or MoE MLP."""
+
+    def __init__(self, cfg: Glm4MoeConfig, moe: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            bias=cfg.attention_bias, o_bias=False, qk_norm=cfg.use_qk_norm,
+            rms_norm_eps=cfg.rms_norm_eps,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = make_mlp(cfg, moe)
+
+    def forward(self, x, cos, sin, cache: KVCache | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """A static KV cache for this layer."""
+        return self.self_attn.new_cache(batch, max_len)
+
+
+class Glm4MoeInner(nn.Module):
+    """``model.*``: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: Glm4MoeConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            Glm4MoeDecoderLayer(cfg, cfg.is_moe(i)) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepSeekStyleMTP:
+    """Loading shared by families whose MTP layers sit at model.layers.{L + i} (mixin)."""
+
+    config: Glm4MoeConfig
+
+    def build_mtp(self, cfg, make_layer) -> MTPHead | None:
+        """The MTP head the config declares (its first layer only; see the comment)."""
+        if not cfg.num_nextn_predict_layers:
+            return None
+        # Every released DeepSeek-V3 / GLM-4.5 checkpoint has one MTP layer. MTPHead shares
+        # its combine norms and projection across layers, which would be wrong for more; a
+        # second layer's tensors are reported as unused and layer 0 drafts every step (what
+        # vLLM does as well once the draft depth exceeds the layer count).
+        spec = deepseek_mtp_spec(1, cfg.rms_norm_eps)
+        return MTPHead(cfg.hidden_size, spec, make_layer)
+
+    def map_checkpoint_name(self, name: str) -> str | None:
+        """model.layers.{num_hidden_layers}.* -> mtp.*; the rest as the base class maps it."""
+        mapped = map_nextn_name(name, self.config.num_hidden_layers, 1)
+        return super().map_checkpoint_name(name) if mapped == name else mapped
+
+    def split_checkpoint_tensor(self, name: str, tensor_fn):
+        """Experts stored stacked (gate_up_proj [E, 2I, H], down_proj) -> per-expert MLPs."""
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            return split_fused_experts(name, tensor_fn)
+        return None
+
+
+class Glm4MoeForCausalLM(DeepSeekStyleMTP, CausalLM):
+    """GLM-4.5-family trunk with its native MTP layer."""
+
+    config_class = Glm4MoeConfig
+
+    def __init__(self, cfg: Glm4MoeConfig) -> None:
+        super().__init__(cfg)
+        self.model = Glm4MoeInner(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        rot = int(cfg.head_dim * cfg.partial_rotary_factor)
+        self.rotary = Rotary(rot - rot % 2, cfg.rope_theta, cfg.rope_scaling)
+        n = cfg.num_hidden_layers
+        self.mtp = self.build_mtp(cfg, lambda i: Glm4MoeDecoderLayer(cfg, cfg.is_moe(n + i)))
