@@ -10,7 +10,7 @@ from tiny import FAMILIES, FAMILY_IDS, VOCAB, write_checkpoint
 
 from mtpkit.engine.generate import Engine, MTPDrafter, Result
 from mtpkit.engine.loader import load_model
-from mtpkit.engine.sampling import SamplingParams
+from mtpkit.engine.sampling import SamplingParams, probs, sample
 from mtpkit.models.cache import KVCache
 
 PROMPTS = [[3, 17, 42, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68], [5], [90, 1, 90, 1, 90, 1, 33]]
@@ -144,33 +144,53 @@ def test_scripted_drafts_every_accept_length_and_rollback(name, k, engine_factor
     assert m.num_accepted_tokens == sum(drafter.planned)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_next_dense"])
-def test_sampling_distribution_unchanged_by_mtp(name, engine_factory):
-    """Temperature 1: next-token frequencies at a fixed depth match with and without MTP."""
-    engine = engine_factory(name)
-    prompt, depth, n = PROMPTS[1], 3, 300
-    counts = {0: torch.zeros(VOCAB), 3: torch.zeros(VOCAB)}
-    drafted = 0
-    for k in counts:
-        for seed in range(n):
-            tokens, res = _run(engine, prompt, k, max_tokens=depth, temperature=1.0, seed=seed)
-            counts[k][tokens[depth - 1]] += 1
-            drafted += res.metrics.num_draft_tokens
-    assert drafted > 0
-    # Chi-square test of homogeneity over the tokens seen enough times (others pooled).
-    a, b = counts[0], counts[3]
-    keep = (a + b) >= 10
+class SharpDrafter(MTPDrafter):
+    """Samples drafts from a deliberately over-confident q (a few times p on its favourites):
+    the accept rule must still give the target's distribution, and any error in the
+    acceptance probability shows up strongly in the emitted frequencies."""
+
+    def pick(self, s, logits, params, gen):
+        q = probs(logits[0], SamplingParams(temperature=params.temperature * 0.3))
+        return int(sample(q, gen)), q
+
+
+def _chi2_homogeneous(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """Chi-square statistic of two count vectors and its 99.9% critical value."""
+    keep = (a + b) >= 10  # sparse cells are pooled into one
     a = torch.cat([a[keep], a[~keep].sum()[None]])
     b = torch.cat([b[keep], b[~keep].sum()[None]])
     total = a + b
     nz = total > 0
     ea, eb = total[nz] * a.sum() / total.sum(), total[nz] * b.sum() / total.sum()
     chi2 = float(((a[nz] - ea) ** 2 / ea + (b[nz] - eb) ** 2 / eb).sum())
-    dof = int(nz.sum()) - 1
-    # 99.9% quantile of chi-square, Wilson-Hilferty approximation.
-    z = 3.09
-    limit = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
-    assert chi2 < limit, f"chi2={chi2:.1f} dof={dof}"
+    dof = max(int(nz.sum()) - 1, 1)
+    # 99.9% quantile, Wilson-Hilferty approximation.
+    limit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+    return chi2, limit
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next_dense"])
+@pytest.mark.parametrize("drafter_cls", [MTPDrafter, SharpDrafter], ids=["head", "sharp"])
+def test_sampling_distribution_unchanged_by_mtp(name, drafter_cls, engine_factory):
+    """Sampling (T=0.5): token frequencies at depths 2 and 4 match with and without MTP."""
+    engine = engine_factory(name)
+    drafter = drafter_cls(engine.model)
+    prompt, n = PROMPTS[1], 250
+    counts = {k: torch.zeros(2, VOCAB) for k in (0, 3)}
+    drafted = 0
+    for k in counts:
+        for seed in range(n):
+            res = Result()
+            params = SamplingParams(max_tokens=4, temperature=0.5, seed=seed)
+            tokens = list(engine.generate(prompt, params, k, result=res, drafter=drafter,
+                                          eos_ids=set()))
+            counts[k][0, tokens[1]] += 1
+            counts[k][1, tokens[3]] += 1
+            drafted += res.metrics.num_draft_tokens
+    assert drafted > 0
+    for depth in (0, 1):
+        chi2, limit = _chi2_homogeneous(counts[0][depth], counts[3][depth])
+        assert chi2 < limit, f"depth {2 * depth + 2}: chi2={chi2:.1f} > {limit:.1f}"
 
 
 def test_sampling_reproducible_with_seed(engine_factory):
