@@ -109,6 +109,37 @@ def _glm4_moe():
     return model
 
 
+def _deepseek_v3(q_lora: bool):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # YaRN over a short "original" context so that scaling matters inside the test lengths;
+    # mscale != mscale_all_dim so that both the cos/sin factor and the softmax scale move.
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 32}
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        q_lora_rank=32 if q_lora else None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2,
+        n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, n_group=4,
+        topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, tie_word_embeddings=False,
+        rope_interleave=q_lora, rope_parameters=rope if q_lora else None,
+    )
+    model = DeepseekV3ForCausalLM(cfg)
+    _randomize_router_bias(model)
+    return model
+
+
+def _soften_mla_queries(model) -> None:
+    """MLA scores have no q/k norm and come out sharper than GQA's at randomize()'s scale; a
+    context-dominated trunk is too hard for the tiny distilled head to draft for."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_b_proj.weight", "q_proj.weight")):
+                p.mul_(0.4)
+
+
 @dataclass
 class Family:
     """One row of the shared test table."""
@@ -122,6 +153,8 @@ class Family:
     # (enorm, hnorm, eh_proj, shared_head.norm/head, embed_tokens, the decoder block), as
     # DeepSeek-V3 and GLM-4.5 releases store it.
     mtp_layout: str = "mtp"
+    # Applied to the transformers model after randomize(), e.g. to soften attention.
+    adjust: Callable[[torch.nn.Module], None] | None = None
 
 
 FAMILIES = [
@@ -133,6 +166,11 @@ FAMILIES = [
     Family("qwen3_next_moe", lambda: _qwen3_next(True)),
     Family("qwen3_5_vlm", _qwen3_5, mtp_config_key="mtp_num_hidden_layers", vlm_layout=True),
     Family("glm4_moe", _glm4_moe, mtp_layout="deepseek"),
+    # q LoRA, interleaved rope, YaRN; and plain q_proj, half-split rope, default rope.
+    Family("deepseek_v3", lambda: _deepseek_v3(True), mtp_layout="deepseek",
+           adjust=_soften_mla_queries),
+    Family("deepseek_v3_plain_q", lambda: _deepseek_v3(False), mtp_layout="deepseek",
+           adjust=_soften_mla_queries),
 ]
 FAMILY_IDS = [f.name for f in FAMILIES]
 
@@ -167,6 +205,8 @@ def write_checkpoint(fam: Family, out: Path, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = fam.build().eval()
     randomize(model, seed)
+    if fam.adjust is not None:
+        fam.adjust(model)
     model.save_pretrained(out)
     if fam.vlm_layout:
         _to_vlm_layout(out)

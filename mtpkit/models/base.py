@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -123,14 +124,17 @@ class CausalLM(nn.Module):
         by_module: dict[str, str] = {}
         loaded: set[str] = set()
         unexpected: list[str] = []
+        fp8 = Fp8Blocks.of(ckpt)
         for name in ckpt.tensor_names():
+            if name in fp8.scale_names:
+                continue  # read together with its weight
             mapped = self.map_checkpoint_name(name)
             if mapped is None:
                 continue
             if mapped in params:
                 by_module[mapped] = name
                 continue
-            split = self.split_checkpoint_tensor(mapped, lambda n=name: ckpt.get_tensor(n))
+            split = self.split_checkpoint_tensor(mapped, lambda n=name: fp8.read(ckpt, n))
             if split is None:
                 unexpected.append(name)
                 continue
@@ -169,7 +173,7 @@ class CausalLM(nn.Module):
             if module_name in loaded or (module_name.startswith("mtp.") and self.mtp is None):
                 continue
             p = params[module_name]
-            self._copy_param(p, ckpt.get_tensor(ckpt_name), module_name, ckpt_name, ckpt)
+            self._copy_param(p, fp8.read(ckpt, ckpt_name), module_name, ckpt_name, ckpt)
         if unexpected:
             report.notes.append(
                 f"{len(unexpected)} checkpoint tensors are not used by the "
@@ -187,6 +191,56 @@ class CausalLM(nn.Module):
             )
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass
+class Fp8Blocks:
+    """DeepSeek-native FP8 (``quant_method: fp8``): an e4m3 ``weight`` with an fp32
+    ``weight_scale_inv`` per block (128x128 unless ``weight_block_size`` says otherwise);
+    the real weight is the stored value times the scale (the name notwithstanding)."""
+
+    scale_names: set[str]
+    block: tuple[int, int] = (128, 128)
+
+    @classmethod
+    def of(cls, ckpt) -> Fp8Blocks:
+        """The scales a checkpoint holds (none for an unquantized one)."""
+        names = {n for n in ckpt.tensor_names() if n.endswith(".weight_scale_inv")}
+        if not names:
+            return cls(set())
+        config = getattr(ckpt, "config", None)
+        quant = (config if isinstance(config, dict) else {}).get("quantization_config") or {}
+        block = quant.get("weight_block_size") or (128, 128)
+        return cls(names, (int(block[0]), int(block[1])))
+
+    def read(self, ckpt, name: str) -> torch.Tensor:
+        """A tensor as the model uses it: FP8 weights dequantized to fp32, others as stored."""
+        scale_name = name + "_scale_inv"
+        tensor = ckpt.get_tensor(name)
+        if scale_name not in self.scale_names:
+            if tensor.dtype in FP8_DTYPES:
+                # Copying e4m3 values without their scales would give a model that runs and
+                # talks nonsense; refuse instead.
+                raise CheckpointError(
+                    f"{ckpt.path}: {name} is stored as FP8 without a DeepSeek-style "
+                    f"{scale_name}; this FP8 format (e.g. compressed-tensors float-quantized) "
+                    "is not supported. Use the BF16 release or a DeepSeek-native FP8 one."
+                )
+            return tensor
+        scale = ckpt.get_tensor(scale_name).float()
+        rows, cols = tensor.shape
+        br, bc = self.block
+        if tuple(scale.shape) != (math.ceil(rows / br), math.ceil(cols / bc)):
+            raise CheckpointError(
+                f"{ckpt.path}: {scale_name} has shape {tuple(scale.shape)}, which does not "
+                f"tile {name} {tuple(tensor.shape)} in {br}x{bc} blocks; is "
+                "quantization_config.weight_block_size in config.json right?"
+            )
+        full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        return tensor.float() * full
 
 
 @dataclass

@@ -20,21 +20,9 @@ from .attention import Attention
 from .base import CausalLM
 from .cache import KVCache
 from .config import ConfigBase, require
-from .layers import MLP, RMSNorm, Rotary
-from .moe import GroupedMoE, split_fused_experts
-from .mtp import MTPHead, MTPSpec, map_nextn_name
-
-
-def deepseek_mtp_spec(num_layers: int, eps: float) -> MTPSpec:
-    """How DeepSeek-V3 and GLM-4.5 wire their MTP layer (shared by both families)."""
-    # The first draft step reads the trunk's state after its final norm, as vLLM feeds it.
-    # Chaining feeds back the MTP block's output BEFORE shared_head.norm: vLLM's
-    # DeepSeekMultiTokenPredictorLayer returns that state and applies shared_head.norm only
-    # in compute_logits, and the DeepSeek-V3 report defines depth k's input as depth k-1's
-    # block output. (transformers' generic MtpLayer chains the normed state instead; the
-    # releases were tuned and measured with vLLM / SGLang, so we follow them.)
-    return MTPSpec(num_layers, emb_first=True, trunk_hidden="post_norm",
-                   chain_hidden="pre_norm", eps=eps)
+from .layers import RMSNorm, Rotary
+from .moe import make_grouped_mlp, moe_fields, validate_moe
+from .mtp import DeepSeekStyleMTP
 
 
 @dataclass
@@ -114,52 +102,6 @@ class Glm4MoeConfig(ConfigBase):
         return self.n_routed_experts > 0 and i >= self.first_k_dense_replace
 
 
-def moe_fields(d: dict) -> dict:
-    """The DeepSeek-style MoE and MTP keys of an HF config dict (GLM-4.5, DeepSeek-V3)."""
-    return dict(
-        n_routed_experts=d.get("n_routed_experts") or 0,
-        num_experts_per_tok=d.get("num_experts_per_tok") or 1,
-        moe_intermediate_size=d.get("moe_intermediate_size") or 0,
-        n_shared_experts=d.get("n_shared_experts") or 0,
-        n_group=d.get("n_group") or 1,
-        topk_group=d.get("topk_group") or 1,
-        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-        first_k_dense_replace=d.get("first_k_dense_replace") or 0,
-        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
-    )
-
-
-def validate_moe(cfg) -> None:
-    """Checks shared by the DeepSeek-style MoE configs."""
-    if cfg.hidden_act != "silu":
-        cfg.fail(f"hidden_act={cfg.hidden_act!r} is not supported (only silu)")
-    if cfg.first_k_dense_replace > 0 or cfg.n_routed_experts == 0:
-        if cfg.intermediate_size <= 0:
-            cfg.fail("dense layers need intermediate_size")
-    if cfg.n_routed_experts:
-        if cfg.n_routed_experts % cfg.n_group:
-            cfg.fail(f"n_routed_experts={cfg.n_routed_experts} is not a multiple of "
-                     f"n_group={cfg.n_group}")
-        if not 1 <= cfg.topk_group <= cfg.n_group:
-            cfg.fail(f"topk_group={cfg.topk_group} must lie in 1..n_group={cfg.n_group}")
-        allowed = cfg.n_routed_experts // cfg.n_group * cfg.topk_group
-        if cfg.num_experts_per_tok > allowed:
-            cfg.fail(f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the {allowed} "
-                     "experts that the topk_group groups hold")
-        if cfg.moe_intermediate_size <= 0:
-            cfg.fail("an MoE model needs moe_intermediate_size")
-
-
-def make_mlp(cfg, moe: bool) -> nn.Module:
-    """Dense SwiGLU MLP or DeepSeek-style MoE, as the config says for one layer."""
-    if not moe:
-        return MLP(cfg.hidden_size, cfg.intermediate_size)
-    return GroupedMoE(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                      cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.n_group,
-                      cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-
-
 class Glm4MoeDecoderLayer(nn.Module):
     """Pre-norm GQA + dense or MoE MLP."""
 
@@ -172,7 +114,7 @@ class Glm4MoeDecoderLayer(nn.Module):
             rms_norm_eps=cfg.rms_norm_eps,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = make_mlp(cfg, moe)
+        self.mlp = make_grouped_mlp(cfg, moe)
 
     def forward(self, x, cos, sin, cache: KVCache | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
@@ -193,34 +135,6 @@ class Glm4MoeInner(nn.Module):
             Glm4MoeDecoderLayer(cfg, cfg.is_moe(i)) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class DeepSeekStyleMTP:
-    """Loading shared by families whose MTP layers sit at model.layers.{L + i} (mixin)."""
-
-    config: Glm4MoeConfig
-
-    def build_mtp(self, cfg, make_layer) -> MTPHead | None:
-        """The MTP head the config declares (its first layer only; see the comment)."""
-        if not cfg.num_nextn_predict_layers:
-            return None
-        # Every released DeepSeek-V3 / GLM-4.5 checkpoint has one MTP layer. MTPHead shares
-        # its combine norms and projection across layers, which would be wrong for more; a
-        # second layer's tensors are reported as unused and layer 0 drafts every step (what
-        # vLLM does as well once the draft depth exceeds the layer count).
-        spec = deepseek_mtp_spec(1, cfg.rms_norm_eps)
-        return MTPHead(cfg.hidden_size, spec, make_layer)
-
-    def map_checkpoint_name(self, name: str) -> str | None:
-        """model.layers.{num_hidden_layers}.* -> mtp.*; the rest as the base class maps it."""
-        mapped = map_nextn_name(name, self.config.num_hidden_layers, 1)
-        return super().map_checkpoint_name(name) if mapped == name else mapped
-
-    def split_checkpoint_tensor(self, name: str, tensor_fn):
-        """Experts stored stacked (gate_up_proj [E, 2I, H], down_proj) -> per-expert MLPs."""
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            return split_fused_experts(name, tensor_fn)
-        return None
 
 
 class Glm4MoeForCausalLM(DeepSeekStyleMTP, CausalLM):

@@ -63,9 +63,45 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Ten
         return torch.where(mid, blended, scaled).float()
     if kind == "linear":
         return (inv / scaling["factor"]).float()
+    if kind == "yarn":
+        # YaRN: high-frequency channels (many rotations within the original context) keep
+        # their frequency, low-frequency ones are interpolated by `factor`, a linear ramp
+        # between the channels that turn beta_fast and beta_slow times.
+        factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
+        fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def channel(rotations: float) -> float:
+            return rot_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = channel(fast), channel(slow)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, rot_dim - 1)
+        ar = torch.arange(rot_dim // 2, dtype=torch.float64, device="cpu")
+        ramp = (ar - lo) / max(hi - lo, 1e-3)
+        keep = 1 - ramp.clamp(0, 1)
+        return (inv / factor * (1 - keep) + inv * keep).float()
     raise ValueError(
-        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)"
     )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN multiplies cos/sin by (1 for every other rope type)."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+    return yarn_mscale(factor)
 
 
 class Rotary(nn.Module):
@@ -77,6 +113,7 @@ class Rotary(nn.Module):
         # A plain attribute, not a buffer: it must stay fp32 when the model is cast to bf16,
         # and survive building the model on the meta device.
         self.inv_freq = rope_inv_freq(rot_dim, theta, scaling)
+        self.attention_factor = rope_attention_factor(scaling)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables [T, rot_dim] for integer positions [T]."""
@@ -84,6 +121,8 @@ class Rotary(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
+        if self.attention_factor != 1.0:
+            return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return emb.cos(), emb.sin()
 
     @staticmethod

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import ConfigError
 from .layers import MLP
 
 
@@ -150,6 +151,59 @@ class GroupedMoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.reshape(shape)
+
+
+def moe_fields(d: dict) -> dict:
+    """The DeepSeek-style MoE and MTP keys of an HF config dict (GLM-4.5, DeepSeek-V3)."""
+    mt = d.get("model_type")
+    # Older DeepSeek configs spell out the routing; only V3's sigmoid + bias routing is built.
+    routing = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+    for key, want in routing.items():
+        if d.get(key, want) != want:
+            raise ConfigError(f"config.json ({mt}): {key}={d[key]!r} is not supported (only "
+                              f"{want!r}, the DeepSeek-V3 / GLM-4.5 routing)")
+    return dict(
+        n_routed_experts=d.get("n_routed_experts") or 0,
+        num_experts_per_tok=d.get("num_experts_per_tok") or 1,
+        moe_intermediate_size=d.get("moe_intermediate_size") or 0,
+        n_shared_experts=d.get("n_shared_experts") or 0,
+        n_group=d.get("n_group") or 1,
+        topk_group=d.get("topk_group") or 1,
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        first_k_dense_replace=d.get("first_k_dense_replace") or 0,
+        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
+    )
+
+
+def validate_moe(cfg) -> None:
+    """Checks shared by the DeepSeek-style MoE configs."""
+    if cfg.hidden_act != "silu":
+        cfg.fail(f"hidden_act={cfg.hidden_act!r} is not supported (only silu)")
+    if cfg.first_k_dense_replace > 0 or cfg.n_routed_experts == 0:
+        if cfg.intermediate_size <= 0:
+            cfg.fail("dense layers need intermediate_size")
+    if cfg.n_routed_experts:
+        if cfg.n_routed_experts % cfg.n_group:
+            cfg.fail(f"n_routed_experts={cfg.n_routed_experts} is not a multiple of "
+                     f"n_group={cfg.n_group}")
+        if not 1 <= cfg.topk_group <= cfg.n_group:
+            cfg.fail(f"topk_group={cfg.topk_group} must lie in 1..n_group={cfg.n_group}")
+        allowed = cfg.n_routed_experts // cfg.n_group * cfg.topk_group
+        if cfg.num_experts_per_tok > allowed:
+            cfg.fail(f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the {allowed} "
+                     "experts that the topk_group groups hold")
+        if cfg.moe_intermediate_size <= 0:
+            cfg.fail("an MoE model needs moe_intermediate_size")
+
+
+def make_grouped_mlp(cfg, moe: bool) -> nn.Module:
+    """Dense SwiGLU MLP or DeepSeek-style MoE, as the config says for one layer."""
+    if not moe:
+        return MLP(cfg.hidden_size, cfg.intermediate_size)
+    return GroupedMoE(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                      cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.n_group,
+                      cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
 
 def split_fused_experts(name: str, tensor_fn):

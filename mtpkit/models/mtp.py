@@ -22,6 +22,7 @@ from torch import nn
 
 from .cache import KVCache
 from .layers import RMSNorm
+from .moe import split_fused_experts
 
 
 @dataclass
@@ -95,3 +96,41 @@ def map_nextn_name(name: str, num_hidden_layers: int, num_mtp_layers: int | None
     if rest.startswith(("shared_head.head", "embed_tokens")):
         return None
     return f"mtp.layers.{i}.{rest}"
+
+
+def deepseek_mtp_spec(num_layers: int, eps: float) -> MTPSpec:
+    """How DeepSeek-V3 and GLM-4.5 wire their MTP layer (shared by both families)."""
+    # The first draft step reads the trunk's state after its final norm, as vLLM feeds it.
+    # Chaining feeds back the MTP block's output BEFORE shared_head.norm: vLLM's
+    # DeepSeekMultiTokenPredictorLayer returns that state and applies shared_head.norm only
+    # in compute_logits, and the DeepSeek-V3 report defines depth k's input as depth k-1's
+    # block output. (transformers' generic MtpLayer chains the normed state instead; the
+    # releases were tuned and measured with vLLM / SGLang, so we follow them.)
+    return MTPSpec(num_layers, emb_first=True, trunk_hidden="post_norm",
+                   chain_hidden="pre_norm", eps=eps)
+
+
+class DeepSeekStyleMTP:
+    """Loading shared by families whose MTP layers sit at model.layers.{L + i} (mixin)."""
+
+    def build_mtp(self, cfg, make_layer) -> MTPHead | None:
+        """The MTP head the config declares (its first layer only; see the comment)."""
+        if not cfg.num_nextn_predict_layers:
+            return None
+        # Every released DeepSeek-V3 / GLM-4.5 checkpoint has one MTP layer. MTPHead shares
+        # its combine norms and projection across layers, which would be wrong for more; a
+        # second layer's tensors are reported as unused and layer 0 drafts every step (what
+        # vLLM does as well once the draft depth exceeds the layer count).
+        spec = deepseek_mtp_spec(1, cfg.rms_norm_eps)
+        return MTPHead(cfg.hidden_size, spec, make_layer)
+
+    def map_checkpoint_name(self, name: str) -> str | None:
+        """model.layers.{num_hidden_layers}.* -> mtp.*; the rest as the base class maps it."""
+        mapped = map_nextn_name(name, self.config.num_hidden_layers, 1)
+        return super().map_checkpoint_name(name) if mapped == name else mapped
+
+    def split_checkpoint_tensor(self, name: str, tensor_fn):
+        """Experts stored stacked (gate_up_proj [E, 2I, H], down_proj) -> per-expert MLPs."""
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            return split_fused_experts(name, tensor_fn)
+        return None

@@ -1,0 +1,291 @@
+"""DeepSeek-style families (GLM-4.5, DeepSeek-V3): the MTP layer against a plain
+implementation of the documented formula, and the grouped router against transformers."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import test_families
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tiny import FAMILIES, VOCAB, Family, _randomize_router_bias
+
+from mtpkit.engine.loader import load_model
+from mtpkit.models.moe import GroupedTopKRouter
+
+DEEPSEEK_STYLE = [f.name for f in FAMILIES if f.mtp_layout == "deepseek"]
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _reference_block(ref, tensors: dict, prefix: str, n: int):
+    """transformers' own decoder layer class (not ours) holding the MTP layer's block weights."""
+    layer = type(ref.model.layers[-1])(ref.config, layer_idx=n).eval()
+    state = {}
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if not k.startswith(prefix):
+            continue
+        rest = k[len(prefix):]
+        if rest.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")):
+            continue
+        if rest.startswith("mlp.experts."):
+            _, _, e, proj, _ = rest.split(".")
+            experts.setdefault(int(e), {})[proj] = v
+            continue
+        state[rest] = v
+    if experts:  # transformers stacks the experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+        ids = sorted(experts)
+        state["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in ids])
+        state["mlp.experts.down_proj"] = torch.stack([experts[e]["down_proj"] for e in ids])
+    layer.load_state_dict(state, strict=True)
+    return layer
+
+
+@pytest.mark.parametrize("name", DEEPSEEK_STYLE)
+def test_mtp_layer_matches_plain_formula(name, checkpoint_factory):
+    """logits = lm_head(shared_head.norm(block(eh_proj([enorm(emb(t+1)), hnorm(h_t)])))),
+    and a chained step feeds back the block output before shared_head.norm."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint_factory(name)
+    cfg = json.loads((path / "config.json").read_text())
+    n, eps = cfg["num_hidden_layers"], cfg["rms_norm_eps"]
+    prefix = f"model.layers.{n}."
+    tensors = {**load_file(path / "model.safetensors"), **load_file(path / "model_mtp.safetensors")}
+    assert not any(k.startswith("mtp.") for k in tensors)  # the real layout is what loads
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()
+        model = load_model(path, tokenizer=False).model
+    block = _reference_block(ref, tensors, prefix, n)
+
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
+    t = ids.shape[1] - 1
+    draft = torch.tensor([[7]])
+    with torch.no_grad():
+        h = ref.model(ids).last_hidden_state[:, :-1]  # trunk states after the final norm
+        emb = tensors["model.embed_tokens.weight"][torch.cat([ids[:, 1:], draft], 1)]
+
+        def combine(e, hid):
+            x = torch.cat([_rms(e, tensors[prefix + "enorm.weight"], eps),
+                           _rms(hid, tensors[prefix + "hnorm.weight"], eps)], -1)
+            return F.linear(x, tensors[prefix + "eh_proj.weight"])
+
+        def run_block(x):
+            pos = torch.arange(x.shape[1])[None]
+            mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
+            cos_sin = ref.model.rotary_emb(x, pos)
+            return block(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+
+        def head(y):
+            return F.linear(_rms(y, tensors[prefix + "shared_head.norm.weight"], eps),
+                            tensors["lm_head.weight"])
+
+        x0 = combine(emb[:, :t], h)
+        y0 = run_block(x0)
+        # Chained step: the draft at position t with the block output (pre-norm) of t-1.
+        y1 = run_block(torch.cat([x0, combine(emb[:, t:], y0[:, -1:])], 1))[:, -1:]
+        want0, want1 = head(y0), head(y1)
+
+        out = model(ids)
+        cache = model.new_mtp_cache(64)
+        got0 = model.mtp_forward(ids[:, 1:], out.hidden[:, :-1], 0, 0, cache)
+        chain = got0.for_mtp(model.mtp.spec.chain_hidden)[:, -1:]
+        got1 = model.mtp_forward(draft, chain, 1, t, cache)
+    assert (model.logits(got0.hidden) - want0).abs().max() < 1e-4
+    assert (model.logits(got1.hidden) - want1).abs().max() < 1e-4
+
+
+def test_grouped_router_matches_transformers():
+    """Sigmoid scores, correction bias for the choice only, best topk_group of n_group groups."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    cfg = Glm4MoeConfig(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    g = torch.Generator().manual_seed(0)
+    ref = Glm4MoeTopkRouter(cfg)
+    ours = GroupedTopKRouter(32, 16, 4, 4, 2, True, 2.5)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(16, 32, generator=g))
+        ref.e_score_correction_bias.copy_(0.3 * torch.randn(16, generator=g))
+        ours.weight.copy_(ref.weight)
+        ours.e_score_correction_bias.copy_(ref.e_score_correction_bias)
+        x = torch.randn(512, 32, generator=g)
+        _, w_ref, i_ref = ref(x)
+        w, i = ours(x)
+    order_ref, order = i_ref.argsort(-1), i.argsort(-1)
+    assert torch.equal(i_ref.gather(1, order_ref), i.gather(1, order))
+    assert torch.allclose(w_ref.gather(1, order_ref), w.gather(1, order), atol=1e-6)
+    # The bias must stay fp32 when the model is cast (it only steers the choice).
+    assert ours.to(torch.bfloat16).e_score_correction_bias.dtype == torch.float32
+
+
+def test_mla_absorbed_equals_expanded(checkpoint_factory):
+    """Latent-space attention (absorbed weights) gives the expanded attention's logits, for
+    prefill and for cached decoding, and the cache holds only latents and rope keys."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(checkpoint_factory("deepseek_v3"), tokenizer=False).model
+    attn = [layer.self_attn for layer in model.model.layers]
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(5))
+
+    def run(absorb: bool) -> torch.Tensor:
+        for a in attn:
+            a.absorb = absorb
+        cache = model.new_cache(64)
+        with torch.no_grad():
+            steps = [model.logits(model(ids[:, :20], cache).hidden)]
+            steps += [model.logits(model(ids[:, t : t + 1], cache).hidden) for t in range(20, 30)]
+        return torch.cat(steps, 1), cache
+
+    try:
+        got, cache = run(True)
+        want, _ = run(False)
+    finally:
+        for a in attn:
+            a.absorb = None
+    assert (got - want).abs().max() < 1e-5
+    cfg = model.config
+    assert cache[0].k.shape[1:] == (1, 64, cfg.kv_lora_rank)
+    assert cache[0].v.shape[1:] == (1, 64, cfg.qk_rope_head_dim)
+
+
+def _fp8_blocks(w: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, per-block scale, the weight those two stand for), block by block."""
+    rows, cols = w.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(math.ceil(rows / b), math.ceil(cols / b))
+    deq = torch.empty(rows, cols)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            blk = w[i * b : (i + 1) * b, j * b : (j + 1) * b]
+            s = blk.abs().max() / 448.0
+            qb = (blk / s).to(torch.float8_e4m3fn)
+            q[i * b : (i + 1) * b, j * b : (j + 1) * b] = qb
+            deq[i * b : (i + 1) * b, j * b : (j + 1) * b] = qb.float() * s
+            scale[i, j] = s
+    return q, scale, deq
+
+
+def test_deepseek_fp8_checkpoint_loads_dequantized(checkpoint_factory, tmp_path):
+    """DeepSeek-native FP8 (weight e4m3 + weight_scale_inv per block, ragged edges included)
+    loads as block value x scale, trunk and MTP layer alike."""
+    src = checkpoint_factory("deepseek_v3")
+    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+    for d in (fp8_dir, ref_dir):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+    for f in ("model.safetensors", "model_mtp.safetensors"):
+        fp8, ref = {}, {}
+        for k, v in load_file(src / f).items():
+            if v.ndim == 2 and k.endswith("_proj.weight") and "eh_proj" not in k:
+                q, scale, deq = _fp8_blocks(v.float(), 16)
+                fp8[k], fp8[k + "_scale_inv"], ref[k] = q, scale, deq
+            else:
+                fp8[k] = ref[k] = v
+        save_file(fp8, fp8_dir / f)
+        save_file(ref, ref_dir / f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = load_model(fp8_dir, tokenizer=False)
+        want = load_model(ref_dir, tokenizer=False).model
+    assert got.report.unexpected == []
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        outs = []
+        for m in (got.model, want):
+            out = m(ids)
+            mtp = m.mtp_forward(ids[:, 1:], out.hidden[:, :-1], 0, 0, None)
+            outs.append((m.logits(out.hidden), m.logits(mtp.hidden)))
+    assert (outs[0][0] - outs[1][0]).abs().max() < 1e-5
+    assert (outs[0][1] - outs[1][1]).abs().max() < 1e-5
+
+
+def _glm_air_like():
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    cfg = Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32,
+        num_experts_per_tok=3, n_shared_experts=2, n_routed_experts=6, routed_scaling_factor=1.0,
+        n_group=1, topk_group=1, first_k_dense_replace=0, norm_topk_prob=False,
+        use_qk_norm=False, attention_bias=False, partial_rotary_factor=0.25,
+        max_position_embeddings=512,
+    )
+    model = Glm4MoeForCausalLM(cfg)
+    _randomize_router_bias(model)
+    return model
+
+
+def _deepseek_v3_release_like():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # V3's own rope settings (mscale == mscale_all_dim), unnormalised top-k, two shared experts.
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 8}
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=320,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=8,
+        moe_intermediate_size=16, num_experts_per_tok=3, n_shared_experts=2, n_routed_experts=12,
+        routed_scaling_factor=2.5, n_group=3, topk_group=2, first_k_dense_replace=1,
+        norm_topk_prob=False, rope_parameters=rope, attention_bias=False,
+    )
+    model = DeepseekV3ForCausalLM(cfg)
+    _randomize_router_bias(model)
+    return model
+
+
+@pytest.mark.parametrize("build", [_glm_air_like, _deepseek_v3_release_like],
+                         ids=["glm_air_like", "deepseek_v3_release_like"])
+def test_more_variants_match_transformers(build, tmp_path):
+    """Config variants beyond the table rows: logits within 1e-4, prefill and cached."""
+    test_families.test_logits_match_transformers(Family(build.__name__, build), tmp_path)
+
+
+def test_second_mtp_layer_reported_unused(checkpoint_factory, tmp_path):
+    """MTPHead shares its combine weights across layers, so only layer 0 of a multi-layer
+    DeepSeek-style head loads; the others are named in the load notes, not silently lost."""
+    src = checkpoint_factory("glm4_moe")
+    cfg = json.loads((src / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    cfg["num_nextn_predict_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(load_file(src / "model.safetensors"), tmp_path / "model.safetensors")
+    mtp = load_file(src / "model_mtp.safetensors")
+    mtp.update({k.replace(f"layers.{n}.", f"layers.{n + 1}."): v.clone() for k, v in mtp.items()})
+    save_file(mtp, tmp_path / "model_mtp.safetensors")
+    with pytest.warns(UserWarning, match=f"model.layers.{n + 1}"):
+        loaded = load_model(tmp_path, tokenizer=False)
+    assert loaded.model.mtp is not None and len(loaded.model.mtp.layers) == 1
+    assert all(u.startswith(f"model.layers.{n + 1}.") for u in loaded.report.unexpected)
+
+
+def test_fp8_weight_without_block_scale_is_refused(checkpoint_factory, tmp_path):
+    """An FP8 weight whose scale is in another format must not load as raw e4m3 values."""
+    from mtpkit.checkpoint.errors import CheckpointError
+
+    src = checkpoint_factory("glm4_moe")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name.replace("weight", "weight_scale")] = torch.ones(1)  # compressed-tensors style
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="FP8 format .* not supported"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_model(tmp_path, tokenizer=False)
