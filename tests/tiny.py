@@ -149,10 +149,13 @@ class Family:
     mtp_config_key: str = "num_nextn_predict_layers"
     vlm_layout: bool = False  # rewrite as a Qwen3.5 VLM checkpoint (text_config nesting)
     init_noise: float = 0.0  # extra noise on zero-initialised norm weights (zero-centred)
-    # "mtp": the head is saved under mtp.*; "deepseek": as model.layers.{num_hidden_layers}.*
+    # "mtp": the head is saved under mtp.*; "mimo": as model.mtp_layers.0.*;
+    # "deepseek": as model.layers.{num_hidden_layers}.*
     # (enorm, hnorm, eh_proj, shared_head.norm/head, embed_tokens, the decoder block), as
     # DeepSeek-V3 and GLM-4.5 releases store it.
     mtp_layout: str = "mtp"
+    # Written into config.json over the transformers class's own model_type.
+    model_type: str | None = None
     # Applied to the transformers model after randomize(), e.g. to soften attention.
     adjust: Callable[[torch.nn.Module], None] | None = None
 
@@ -162,6 +165,8 @@ FAMILIES = [
     Family("llama_tied", lambda: _llama(tie_word_embeddings=True)),
     Family("qwen2", _qwen2),
     Family("qwen3", _qwen3),
+    # MiMo-7B's trunk is Qwen2's; only model_type and the MTP layout differ.
+    Family("mimo", _qwen2, mtp_layout="mimo", model_type="mimo"),
     Family("qwen3_next_dense", lambda: _qwen3_next(False)),
     Family("qwen3_next_moe", lambda: _qwen3_next(True)),
     Family("qwen3_5_vlm", _qwen3_5, mtp_config_key="mtp_num_hidden_layers", vlm_layout=True),
@@ -208,6 +213,10 @@ def write_checkpoint(fam: Family, out: Path, seed: int = 0) -> torch.nn.Module:
     if fam.adjust is not None:
         fam.adjust(model)
     model.save_pretrained(out)
+    if fam.model_type:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["model_type"] = fam.model_type
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
     if fam.vlm_layout:
         _to_vlm_layout(out)
     return model
@@ -262,12 +271,24 @@ def add_mtp_head(
     tensors = {f"mtp.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
     if fam.mtp_layout == "deepseek":
         tensors = to_deepseek_layout(tensors, target["num_hidden_layers"], model)
+    elif fam.mtp_layout == "mimo":
+        tensors = to_mimo_layout(tensors)
     if separate_file:
         save_file(tensors, out / "model_mtp.safetensors", metadata={"format": "pt"})
     else:
         base = load_file(out / "model.safetensors")
         base.update(tensors)
         save_file(base, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def to_mimo_layout(tensors: dict) -> dict:
+    """mtp.* head tensors -> MiMo's model.mtp_layers.0.* names."""
+    from mtpkit.models.mtp import MIMO_NAMES
+
+    by_mtp = {f"mtp.{new}.weight": f"model.mtp_layers.0.{old}.weight"
+              for old, new in MIMO_NAMES.items()}
+    return {by_mtp.get(k, k.replace("mtp.layers.0.", "model.mtp_layers.0.")): v
+            for k, v in tensors.items()}
 
 
 def to_deepseek_layout(tensors: dict, n_layers: int, model) -> dict:

@@ -95,7 +95,7 @@ class CausalLM(nn.Module):
             layer_cache.skip_to(start)
         cos, sin = self.rotary.cos_sin(self._positions(start, next_ids.shape[1]))
         emb = self.model.embed_tokens(next_ids)
-        post, pre = self.mtp(emb, hidden, step, cos, sin, layer_cache)
+        post, pre = self.mtp(emb, hidden, step, cos, sin, layer_cache, start)
         return TrunkOutput(post, pre)
 
     def _positions(self, start: int, t: int) -> torch.Tensor:

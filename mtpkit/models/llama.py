@@ -1,7 +1,11 @@
-"""Llama family: Llama 2/3, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2 (tied embeddings).
+"""Llama family: Llama 2/3, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2 (tied embeddings),
+and MiMo-7B (a Qwen2 trunk with native MTP layers).
 
-These checkpoints ship no MTP head; a head trained by ``mtpkit calibrate`` is stored under
-Qwen3.5's ``mtp.*`` names with one Llama decoder layer, and loads with the trunk as one model.
+Llama/Qwen checkpoints ship no MTP head; a head trained by ``mtpkit calibrate`` is stored
+under Qwen3.5's ``mtp.*`` names with one decoder layer, and loads with the trunk as one model.
+MiMo stores its head at ``model.mtp_layers.{i}`` (token_layernorm, hidden_layernorm,
+input_proj, a Qwen2 block, final_layernorm) and concatenates [hidden, embedding], the reverse
+of DeepSeek's order.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from .base import CausalLM
 from .cache import KVCache
 from .config import ConfigBase
 from .layers import MLP, RMSNorm, Rotary
-from .mtp import NEXTN_NAMES, MTPHead, MTPSpec, map_nextn_name
+from .mtp import NEXTN_NAMES, MTPHead, MTPSpec, map_mimo_name, map_nextn_name
 
 
 @dataclass
@@ -66,7 +70,7 @@ class LlamaConfig(ConfigBase):
             rope_scaling=rope,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            # Qwen2 has q/k/v biases (not o_proj) without saying so in its config.
+            # Qwen2 (and MiMo) have q/k/v biases, not o_proj, without saying so in config.
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=mt == "qwen3",
@@ -97,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
-            bias=cfg.attention_bias or cfg.model_type == "qwen2",
+            bias=cfg.attention_bias or cfg.model_type in ("qwen2", "mimo"),
             o_bias=cfg.attention_bias,
             qk_norm=cfg.qk_norm,
             rms_norm_eps=cfg.rms_norm_eps,
@@ -127,7 +131,7 @@ class LlamaInner(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Llama-family trunk, optionally with an mtpkit-trained MTP head."""
 
-    model_types = ("llama", "qwen2", "qwen3")
+    model_types = ("llama", "qwen2", "qwen3", "mimo")
     config_class = LlamaConfig
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -139,7 +143,9 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.mtp = None
         if cfg.num_nextn_predict_layers:
-            spec = MTPSpec(cfg.num_nextn_predict_layers, eps=cfg.rms_norm_eps)
+            mimo = cfg.model_type == "mimo"
+            spec = MTPSpec(cfg.num_nextn_predict_layers, eps=cfg.rms_norm_eps,
+                           emb_first=not mimo, zero_first_embedding=mimo)
             self.mtp = MTPHead(cfg.hidden_size, spec, lambda i: LlamaDecoderLayer(cfg))
 
     # DeepSeek-style names of an MTP layer (what GGUF's blk.N.nextn.* maps back to).
@@ -148,4 +154,6 @@ class LlamaForCausalLM(CausalLM):
     def map_checkpoint_name(self, name: str) -> str | None:
         """Also read a head stored as model.layers.{num_hidden_layers + i}.* (GGUF nextn)."""
         mapped = map_nextn_name(name, self.config.num_hidden_layers)
+        if mapped == name:
+            mapped = map_mimo_name(name)
         return super().map_checkpoint_name(name) if mapped == name else mapped

@@ -35,6 +35,9 @@ class MTPSpec:
     chain_hidden: str = "post_norm"  # which head state feeds the next chained step
     zero_centered: bool = False  # RMSNorm weights stored as w-1 (Qwen3-Next / 3.5)
     eps: float = 1e-6
+    # DeepSeek, GLM and MiMo heads were trained (and vLLM runs them) with the embedding at
+    # position 0 zeroed: it has no preceding hidden state worth combining with.
+    zero_first_embedding: bool = False
 
 
 class MTPHead(nn.Module):
@@ -60,8 +63,11 @@ class MTPHead(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache | None,
+        start: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """emb, hidden [B, T, D] -> (state after the final norm, state before it)."""
+        """emb, hidden [B, T, D] at positions start.. -> (state after the final norm, before)."""
+        if self.spec.zero_first_embedding and start == 0:
+            emb = torch.cat([torch.zeros_like(emb[:, :1]), emb[:, 1:]], dim=1)
         e, h = self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)
         x = self.fc(torch.cat([e, h] if self.spec.emb_first else [h, e], dim=-1))
         x = self.layers[step % len(self.layers)](x, cos, sin, cache)
@@ -75,6 +81,27 @@ NEXTN_NAMES = {
     "eh_proj": "fc",
     "shared_head.norm": "norm",
 }
+
+
+# MiMo's names below model.mtp_layers.{i} -> MTPHead names (the block's own names sit
+# directly under model.mtp_layers.{i} as well).
+MIMO_NAMES = {
+    "token_layernorm": "pre_fc_norm_embedding",
+    "hidden_layernorm": "pre_fc_norm_hidden",
+    "input_proj": "fc",
+    "final_layernorm": "norm",
+}
+
+
+def map_mimo_name(name: str) -> str:
+    """``model.mtp_layers.{i}.*`` (MiMo) -> ``mtp.*``; other names unchanged."""
+    m = re.match(r"model\.mtp_layers\.(\d+)\.(.+)$", name)
+    if not m:
+        return name
+    for old, new in MIMO_NAMES.items():
+        if m[2] == f"{old}.weight":
+            return f"mtp.{new}.weight"
+    return f"mtp.layers.{m[1]}.{m[2]}"
 
 
 def map_nextn_name(name: str, num_hidden_layers: int, num_mtp_layers: int | None = None):
@@ -107,7 +134,7 @@ def deepseek_mtp_spec(num_layers: int, eps: float) -> MTPSpec:
     # block output. (transformers' generic MtpLayer chains the normed state instead; the
     # releases were tuned and measured with vLLM / SGLang, so we follow them.)
     return MTPSpec(num_layers, emb_first=True, trunk_hidden="post_norm",
-                   chain_hidden="pre_norm", eps=eps)
+                   chain_hidden="pre_norm", eps=eps, zero_first_embedding=True)
 
 
 class DeepSeekStyleMTP:

@@ -11,6 +11,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("llama", "LlamaForCausalLM"),
     "qwen3": ("llama", "LlamaForCausalLM"),
+    "mimo": ("llama", "LlamaForCausalLM"),
     "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM"),
