@@ -25,7 +25,7 @@ from .attention import causal_mask
 from .base import CausalLM
 from .cache import KVCache
 from .config import ConfigBase, require
-from .layers import RMSNorm, Rotary, yarn_mscale
+from .layers import DecoderStack, PreNormDecoderLayer, RMSNorm, Rotary, yarn_mscale
 from .moe import make_grouped_mlp, moe_fields, validate_moe
 from .mtp import DeepSeekStyleMTP
 
@@ -210,7 +210,7 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(b, t, self.h * self.dv))
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     """Pre-norm MLA + dense or MoE MLP."""
 
     def __init__(self, cfg: DeepseekV3Config, moe: bool) -> None:
@@ -220,26 +220,6 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_grouped_mlp(cfg, moe)
 
-    def forward(self, x, cos, sin, cache: LatentCache | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def new_cache(self, batch: int, max_len: int) -> LatentCache:
-        """A latent cache for this layer."""
-        return self.self_attn.new_cache(batch, max_len)
-
-
-class DeepseekV3Inner(nn.Module):
-    """``model.*``: embeddings, decoder layers, final norm."""
-
-    def __init__(self, cfg: DeepseekV3Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(cfg, cfg.is_moe(i)) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
 
 class DeepseekV3ForCausalLM(DeepSeekStyleMTP, CausalLM):
     """DeepSeek-V3-family trunk with its native MTP layer."""
@@ -248,7 +228,11 @@ class DeepseekV3ForCausalLM(DeepSeekStyleMTP, CausalLM):
 
     def __init__(self, cfg: DeepseekV3Config) -> None:
         super().__init__(cfg)
-        self.model = DeepseekV3Inner(cfg)
+        self.model = DecoderStack(
+            cfg.vocab_size, cfg.hidden_size,
+            [DeepseekV3DecoderLayer(cfg, cfg.is_moe(i)) for i in range(cfg.num_hidden_layers)],
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        )
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)

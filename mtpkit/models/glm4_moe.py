@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from .attention import Attention
 from .base import CausalLM
-from .cache import KVCache
 from .config import ConfigBase, require
-from .layers import RMSNorm, Rotary
+from .layers import DecoderStack, PreNormDecoderLayer, RMSNorm, Rotary
 from .moe import make_grouped_mlp, moe_fields, validate_moe
 from .mtp import DeepSeekStyleMTP
 
@@ -102,7 +100,7 @@ class Glm4MoeConfig(ConfigBase):
         return self.n_routed_experts > 0 and i >= self.first_k_dense_replace
 
 
-class Glm4MoeDecoderLayer(nn.Module):
+class Glm4MoeDecoderLayer(PreNormDecoderLayer):
     """Pre-norm GQA + dense or MoE MLP."""
 
     def __init__(self, cfg: Glm4MoeConfig, moe: bool) -> None:
@@ -116,26 +114,6 @@ class Glm4MoeDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_grouped_mlp(cfg, moe)
 
-    def forward(self, x, cos, sin, cache: KVCache | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """A static KV cache for this layer."""
-        return self.self_attn.new_cache(batch, max_len)
-
-
-class Glm4MoeInner(nn.Module):
-    """``model.*``: embeddings, decoder layers, final norm."""
-
-    def __init__(self, cfg: Glm4MoeConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            Glm4MoeDecoderLayer(cfg, cfg.is_moe(i)) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
 
 class Glm4MoeForCausalLM(DeepSeekStyleMTP, CausalLM):
     """GLM-4.5-family trunk with its native MTP layer."""
@@ -144,7 +122,11 @@ class Glm4MoeForCausalLM(DeepSeekStyleMTP, CausalLM):
 
     def __init__(self, cfg: Glm4MoeConfig) -> None:
         super().__init__(cfg)
-        self.model = Glm4MoeInner(cfg)
+        self.model = DecoderStack(
+            cfg.vocab_size, cfg.hidden_size,
+            [Glm4MoeDecoderLayer(cfg, cfg.is_moe(i)) for i in range(cfg.num_hidden_layers)],
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        )
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         rot = int(cfg.head_dim * cfg.partial_rotary_factor)

@@ -134,3 +134,29 @@ class Rotary(nn.Module):
         rotated = torch.cat([-x2, x1], dim=-1)
         out = xr * cos.to(x.dtype) + rotated * sin.to(x.dtype)
         return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
+
+
+class PreNormDecoderLayer(nn.Module):
+    """x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).
+
+    Subclasses build the four modules (named as in the checkpoints); the attention module
+    provides ``new_cache``.
+    """
+
+    def forward(self, x, cos, sin, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def new_cache(self, batch: int, max_len: int):
+        """This layer's cache (KV or latent, as its attention keeps)."""
+        return self.self_attn.new_cache(batch, max_len)
+
+
+class DecoderStack(nn.Module):
+    """``model.*``: embed_tokens, the decoder layers, the final norm."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers, norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm

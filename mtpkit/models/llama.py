@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from .attention import Attention
 from .base import CausalLM
-from .cache import KVCache
 from .config import ConfigBase
-from .layers import MLP, RMSNorm, Rotary
+from .layers import MLP, DecoderStack, PreNormDecoderLayer, RMSNorm, Rotary
 from .mtp import NEXTN_NAMES, MTPHead, MTPSpec, map_mimo_name, map_nextn_name
 
 
@@ -89,7 +87,7 @@ class LlamaConfig(ConfigBase):
             self.fail(f"hidden_act={self.hidden_act!r} is not supported (only silu)")
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     """Pre-norm attention + SwiGLU block."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -109,24 +107,6 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, cache: KVCache | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """A static KV cache for this layer."""
-        return self.self_attn.new_cache(batch, max_len)
-
-
-class LlamaInner(nn.Module):
-    """``model.*``: embeddings, decoder layers, final norm."""
-
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
 
 class LlamaForCausalLM(CausalLM):
     """Llama-family trunk, optionally with an mtpkit-trained MTP head."""
@@ -136,7 +116,11 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__(cfg)
-        self.model = LlamaInner(cfg)
+        self.model = DecoderStack(
+            cfg.vocab_size, cfg.hidden_size,
+            [LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)],
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        )
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

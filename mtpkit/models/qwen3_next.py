@@ -19,7 +19,7 @@ from .attention import Attention
 from .base import CausalLM
 from .config import ConfigBase, require
 from .gated_delta import GatedDeltaNet
-from .layers import MLP, RMSNorm, Rotary
+from .layers import MLP, DecoderStack, RMSNorm, Rotary
 from .moe import SparseMoE, split_fused_experts
 from .mtp import MTPHead, MTPSpec
 
@@ -174,19 +174,6 @@ class Qwen3NextDecoderLayer(nn.Module):
         return self.self_attn.new_cache(batch, max_len)
 
 
-class Qwen3NextInner(nn.Module):
-    """``model.*``: embeddings, hybrid layers, final norm."""
-
-    def __init__(self, cfg: Qwen3NextConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(cfg, kind, cfg.is_moe(i))
-            for i, kind in enumerate(cfg.layer_types)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
-
-
 class Qwen3NextForCausalLM(CausalLM):
     """Qwen3-Next / Qwen3.5 trunk with its native ``mtp.*`` head."""
 
@@ -198,7 +185,12 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         super().__init__(cfg)
-        self.model = Qwen3NextInner(cfg)
+        self.model = DecoderStack(
+            cfg.vocab_size, cfg.hidden_size,
+            [Qwen3NextDecoderLayer(cfg, kind, cfg.is_moe(i))
+             for i, kind in enumerate(cfg.layer_types)],
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True),
+        )
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         rot = int(cfg.head_dim * cfg.partial_rotary_factor)
