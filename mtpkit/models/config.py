@@ -43,3 +43,15 @@ def require(d: dict, *keys: str, model_type: str = "?") -> None:
             f"config.json ({model_type}): missing required field(s) {', '.join(missing)}; "
             "copy them from the original model's config.json"
         )
+
+
+def rope_settings(d: dict) -> tuple[float, dict | None, dict]:
+    """(rope_theta, scaling dict or None for plain rope, the raw rope dict) of an HF config.
+
+    Older configs put rope_theta at the top level and scaling in rope_scaling; newer ones put
+    both in rope_parameters.
+    """
+    rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    theta = float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    plain = rope.get("rope_type", rope.get("type")) in (None, "default")
+    return theta, (None if plain else rope), rope

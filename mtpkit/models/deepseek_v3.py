@@ -24,7 +24,7 @@ from torch import nn
 from .attention import causal_mask
 from .base import CausalLM
 from .cache import KVCache
-from .config import ConfigBase, require
+from .config import ConfigBase, require, rope_settings
 from .layers import DecoderStack, PreNormDecoderLayer, RMSNorm, Rotary, yarn_mscale
 from .moe import make_grouped_mlp, moe_fields, validate_moe
 from .mtp import DeepSeekStyleMTP
@@ -75,9 +75,7 @@ class DeepseekV3Config(ConfigBase):
         require(d, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                 model_type=mt)
-        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
-        theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        scaling = rope if rope.get("rope_type", rope.get("type")) not in (None, "default") else None
+        theta, scaling, _ = rope_settings(d)
         heads = d["num_attention_heads"]
         cfg = cls(
             model_type=mt,
@@ -94,7 +92,7 @@ class DeepseekV3Config(ConfigBase):
             v_head_dim=d["v_head_dim"],
             q_lora_rank=d.get("q_lora_rank"),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             rope_interleave=bool(d.get("rope_interleave", True)),
             max_position_embeddings=d.get("max_position_embeddings", 4096),

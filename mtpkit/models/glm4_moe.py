@@ -17,7 +17,7 @@ from torch import nn
 
 from .attention import Attention
 from .base import CausalLM
-from .config import ConfigBase, require
+from .config import ConfigBase, require, rope_settings
 from .layers import DecoderStack, PreNormDecoderLayer, RMSNorm, Rotary
 from .moe import make_grouped_mlp, moe_fields, validate_moe
 from .mtp import DeepSeekStyleMTP
@@ -62,11 +62,9 @@ class Glm4MoeConfig(ConfigBase):
         require(d, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 model_type=mt)
         heads = d["num_attention_heads"]
-        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
-        theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        theta, scaling, rope = rope_settings(d)
         # transformers fills 0.5 when a GLM config omits it (the released configs say 0.5).
         partial = d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 0.5
-        scaling = rope if rope.get("rope_type", rope.get("type")) not in (None, "default") else None
         cfg = cls(
             model_type=mt,
             vocab_size=d["vocab_size"],
@@ -77,7 +75,7 @@ class Glm4MoeConfig(ConfigBase):
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             partial_rotary_factor=float(partial),
             max_position_embeddings=d.get("max_position_embeddings", 131072),

@@ -16,7 +16,7 @@ from torch import nn
 
 from .attention import Attention
 from .base import CausalLM
-from .config import ConfigBase
+from .config import ConfigBase, rope_settings
 from .layers import MLP, DecoderStack, PreNormDecoderLayer, RMSNorm, Rotary
 from .mtp import NEXTN_NAMES, MTPHead, MTPSpec, map_mimo_name, map_nextn_name
 
@@ -50,10 +50,7 @@ class LlamaConfig(ConfigBase):
         """Keep the known keys of an HF config dict, fill family defaults, validate."""
         mt = d["model_type"]
         heads = d["num_attention_heads"]
-        rope = d.get("rope_scaling") or d.get("rope_parameters")
-        theta = d.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
-        if rope and rope.get("rope_type", rope.get("type")) in ("default", None):
-            rope = None
+        theta, rope, _ = rope_settings(d)
         cfg = cls(
             model_type=mt,
             vocab_size=d["vocab_size"],
@@ -64,7 +61,7 @@ class LlamaConfig(ConfigBase):
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=rope,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
