@@ -136,10 +136,20 @@ def _cmd_calibrate(a) -> int:
             resume=a.resume, draft_vocab=a.draft_vocab,
         )
         run(cfg, progress="bar" if sys.stderr.isatty() else "lines")
+        if distributed:
+            # Ranks leave together: a rank tearing gloo down while rank 0 still writes the
+            # head aborts the process ("terminate called without an active exception").
+            dist.barrier()
     finally:
         if distributed:
+            # The DDP wrapper sits in reference cycles; freeing it at interpreter exit, after
+            # the group is gone, lets a gloo thread die joinable and abort the process.
+            import gc
+
+            gc.collect()
             dist.destroy_process_group()
-    print(f"head written to {a.out}", file=sys.stderr)
+    if not distributed or int(os.environ.get("RANK", "0")) == 0:
+        print(f"head written to {a.out}", file=sys.stderr)
     return 0
 
 
