@@ -234,7 +234,27 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_args(sub)
     _calibrate_args(sub)
     _eval_args(sub)
+    # Larger tools own their subcommands: each module has add_parser(sub), which registers
+    # its parser and sets func; the module must import nothing heavy at import time.
+    import importlib
+
+    for name in _TOOL_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        mod.add_parser(sub)
     return parser
+
+
+_TOOL_MODULES = [
+    "mtpkit.quant.cli",  # quantize
+    "mtpkit.doctor.cli",  # doctor, graft, fix-config
+    "mtpkit.serve.cli",  # serve
+    "mtpkit.bench.cli",  # bench
+]
 
 
 def main(argv: list[str] | None = None) -> int:
