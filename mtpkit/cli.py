@@ -242,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
+            if not e.name or not name.startswith(e.name):
+                raise  # the tool exists but one of its imports is missing
             continue
         mod.add_parser(sub)
     return parser
