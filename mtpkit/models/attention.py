@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quant.linear import dtype_device
 from .cache import KVCache
 from .layers import RMSNorm, Rotary
 
@@ -53,8 +54,8 @@ class Attention(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """A static KV cache for this layer, on its weights' device and dtype."""
-        w = self.k_proj.weight
-        return KVCache(batch, self.num_kv_heads, max_len, self.head_dim, w.dtype, w.device)
+        dtype, device = dtype_device(self.k_proj)
+        return KVCache(batch, self.num_kv_heads, max_len, self.head_dim, dtype, device)
 
     def forward(
         self,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -119,22 +118,34 @@ class CausalLM(nn.Module):
 
     def load_checkpoint(self, ckpt, keep_missing_head: bool = False) -> LoadReport:
         """Copy every parameter from ``ckpt``; drop the MTP head when the checkpoint has none
-        (``keep_missing_head``: keep it uninitialised, to be trained)."""
+        (``keep_missing_head``: keep it uninitialised, to be trained). Modules stored
+        quantized become ``QuantLinear`` layers; the tensors on disk decide, not the config."""
+        from ..quant.formats import scan
+
+        plan = scan(ckpt)
+        report = LoadReport(unexpected=[])
+        quantized = self._install_quantized(plan, ckpt, report)
         params = dict(self.named_parameters())
         by_module: dict[str, str] = {}
         loaded: set[str] = set()
-        unexpected: list[str] = []
-        fp8 = Fp8Blocks.of(ckpt)
-        for name in ckpt.tensor_names():
-            if name in fp8.scale_names:
-                continue  # read together with its weight
+        unexpected = report.unexpected
+        # Tensors of installed QuantLinears are read already; a quantized module that is not
+        # a Linear here (stacked experts) is dequantized and seen as its plain ``weight``.
+        names = [n for n in ckpt.tensor_names() if n not in plan.consumed]
+        for prefix, spec in plan.modules.items():
+            if prefix not in quantized:
+                names.append(prefix + ".weight")
+                names += [n for s, n in spec.tensors.items() if s == "bias"]
+        for name in names:
             mapped = self.map_checkpoint_name(name)
             if mapped is None:
                 continue
             if mapped in params:
                 by_module[mapped] = name
                 continue
-            split = self.split_checkpoint_tensor(mapped, lambda n=name: fp8.read(ckpt, n))
+            split = self.split_checkpoint_tensor(
+                mapped, lambda n=name: self._read_float(plan, ckpt, n)
+            )
             if split is None:
                 unexpected.append(name)
                 continue
@@ -145,11 +156,13 @@ class CausalLM(nn.Module):
                 self._copy_param(params[sub_name], tensor, sub_name, name, ckpt)
                 by_module[sub_name] = name
                 loaded.add(sub_name)
-        report = LoadReport(unexpected=unexpected)
         missing = [p for p in params if p not in by_module]
         missing_mtp = [p for p in missing if p.startswith("mtp.")]
+        n_mtp = sum(p.startswith("mtp.") for p in params) + sum(
+            m.startswith("mtp.") for m in quantized.values()
+        )
         if self.mtp is not None and missing_mtp and not keep_missing_head:
-            if len(missing_mtp) == sum(p.startswith("mtp.") for p in params):
+            if len(missing_mtp) == n_mtp:
                 report.notes.append(
                     "the config declares an MTP head but the checkpoint has no MTP tensors "
                     "(an export that dropped them?); decoding without speculation. "
@@ -164,22 +177,108 @@ class CausalLM(nn.Module):
                 )
         missing = [p for p in missing if not p.startswith("mtp.")]
         if missing:
+            hint = ""
+            if plan.config:
+                hint = (" The config declares quantization: are quantized tensors "
+                        "(weight_packed/weight_scale, qweight/scales, ...) of these modules "
+                        "missing too?")
             raise CheckpointError(
                 f"{ckpt.path}: {len(missing)} tensors the model needs are missing from the "
                 f"checkpoint, e.g. {', '.join(missing[:5])}. Is the checkpoint complete "
-                "(every shard present) and of the model_type its config.json says?"
+                f"(every shard present) and of the model_type its config.json says?{hint}"
             )
         for module_name, ckpt_name in by_module.items():
             if module_name in loaded or (module_name.startswith("mtp.") and self.mtp is None):
                 continue
             p = params[module_name]
-            self._copy_param(p, fp8.read(ckpt, ckpt_name), module_name, ckpt_name, ckpt)
+            self._copy_param(p, self._read_float(plan, ckpt, ckpt_name), module_name,
+                             ckpt_name, ckpt)
+        self._warn_unquantized(plan, by_module, report)
         if unexpected:
             report.notes.append(
                 f"{len(unexpected)} checkpoint tensors are not used by the "
                 f"{type(self).__name__} model, e.g. {', '.join(unexpected[:5])}"
             )
         return report
+
+    def _install_quantized(self, plan, ckpt, report) -> dict[str, str]:
+        """Swap the Linear of every module stored quantized for a QuantLinear."""
+        from ..quant.formats import read_module
+
+        installed: dict[str, str] = {}  # checkpoint prefix -> module path
+        for prefix, spec in plan.modules.items():
+            mapped = self.map_checkpoint_name(prefix + ".weight")
+            if mapped is None:
+                continue
+            path = mapped[: -len(".weight")]
+            parent_path, _, child = path.rpartition(".")
+            try:
+                parent = self.get_submodule(parent_path) if parent_path else self
+                old = getattr(parent, child)
+            except AttributeError:
+                continue  # not a module of ours (reported as unexpected), or a fused tensor
+            if not isinstance(old, nn.Linear):
+                continue  # e.g. stacked experts: dequantized through the split hook
+            q = read_module(spec, ckpt, plan.config)
+            if (q.in_features, q.out_features) != (old.in_features, old.out_features):
+                raise CheckpointError(
+                    f"{ckpt.path}: quantized module {prefix} holds a "
+                    f"{q.out_features}x{q.in_features} weight, but the config implies "
+                    f"{old.out_features}x{old.in_features} for {path}. The config.json does "
+                    "not match the weights."
+                )
+            if (old.bias is None) != (q.bias is None):
+                raise CheckpointError(f"{ckpt.path}: {prefix}.bias is "
+                                      f"{'missing' if q.bias is None else 'unexpected'}")
+            setattr(parent, child, q.to(old.weight.device))
+            installed[prefix] = path
+        return installed
+
+    @staticmethod
+    def _read_float(plan, ckpt, name: str) -> torch.Tensor:
+        """A tensor as a float layer uses it; quantized weights dequantized."""
+        from ..quant.formats import FP8_DTYPES, read_module
+
+        spec = plan.spec_for_weight(name)
+        if spec is not None:
+            return read_module(spec, ckpt, plan.config).dequantize()
+        tensor = ckpt.get_tensor(name)
+        if tensor.dtype in FP8_DTYPES:
+            # Copying e4m3 values without their scales would give a model that runs and
+            # talks nonsense; refuse instead.
+            raise CheckpointError(
+                f"{ckpt.path}: {name} is stored as FP8 without a scale tensor "
+                "(weight_scale or weight_scale_inv); the checkpoint is incomplete or in a "
+                "format mtpkit does not know. Use the BF16 release."
+            )
+        return tensor
+
+    def _warn_unquantized(self, plan, by_module: dict[str, str], report) -> None:
+        # The BF16-head-under-a-W4A16-config case: mtpkit loads what is on disk (a float
+        # module); engines that trust the config instead build a quantized module.
+        from ..quant.formats import config_covers
+
+        if not plan.config:
+            return
+        found: list[tuple[str, str]] = []
+        for module_name, ckpt_name in by_module.items():
+            if not module_name.endswith(".weight"):
+                continue
+            owner = self.get_submodule(module_name[: -len(".weight")])
+            prefix = ckpt_name[: -len(".weight")]
+            if isinstance(owner, nn.Linear) and prefix not in plan.modules:
+                entry = config_covers(prefix, plan.config)
+                if entry and not (prefix.endswith("lm_head") and owner.weight is
+                                  self.model.embed_tokens.weight):
+                    found.append((prefix, entry))
+        if found:
+            names = ", ".join(p for p, _ in found[:6]) + (" ..." if len(found) > 6 else "")
+            report.notes.append(
+                f"{len(found)} modules are stored unquantized although {found[0][1]} covers "
+                f"them (e.g. {names}); mtpkit loads them unquantized, as stored. Engines that "
+                "follow the config (vLLM) build them quantized and run them on missing "
+                "weights: add them to the config's ignore list (mtpkit doctor shows the fix)."
+            )
 
     @staticmethod
     def _copy_param(param, tensor, module_name, ckpt_name, ckpt) -> None:
@@ -191,56 +290,6 @@ class CausalLM(nn.Module):
             )
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
-
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-@dataclass
-class Fp8Blocks:
-    """DeepSeek-native FP8 (``quant_method: fp8``): an e4m3 ``weight`` with an fp32
-    ``weight_scale_inv`` per block (128x128 unless ``weight_block_size`` says otherwise);
-    the real weight is the stored value times the scale (the name notwithstanding)."""
-
-    scale_names: set[str]
-    block: tuple[int, int] = (128, 128)
-
-    @classmethod
-    def of(cls, ckpt) -> Fp8Blocks:
-        """The scales a checkpoint holds (none for an unquantized one)."""
-        names = {n for n in ckpt.tensor_names() if n.endswith(".weight_scale_inv")}
-        if not names:
-            return cls(set())
-        config = getattr(ckpt, "config", None)
-        quant = (config if isinstance(config, dict) else {}).get("quantization_config") or {}
-        block = quant.get("weight_block_size") or (128, 128)
-        return cls(names, (int(block[0]), int(block[1])))
-
-    def read(self, ckpt, name: str) -> torch.Tensor:
-        """A tensor as the model uses it: FP8 weights dequantized to fp32, others as stored."""
-        scale_name = name + "_scale_inv"
-        tensor = ckpt.get_tensor(name)
-        if scale_name not in self.scale_names:
-            if tensor.dtype in FP8_DTYPES:
-                # Copying e4m3 values without their scales would give a model that runs and
-                # talks nonsense; refuse instead.
-                raise CheckpointError(
-                    f"{ckpt.path}: {name} is stored as FP8 without a DeepSeek-style "
-                    f"{scale_name}; this FP8 format (e.g. compressed-tensors float-quantized) "
-                    "is not supported. Use the BF16 release or a DeepSeek-native FP8 one."
-                )
-            return tensor
-        scale = ckpt.get_tensor(scale_name).float()
-        rows, cols = tensor.shape
-        br, bc = self.block
-        if tuple(scale.shape) != (math.ceil(rows / br), math.ceil(cols / bc)):
-            raise CheckpointError(
-                f"{ckpt.path}: {scale_name} has shape {tuple(scale.shape)}, which does not "
-                f"tile {name} {tuple(tensor.shape)} in {br}x{bc} blocks; is "
-                "quantization_config.weight_block_size in config.json right?"
-            )
-        full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
-        return tensor.float() * full
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quant.linear import dtype_device
 from .attention import causal_mask
 from .base import CausalLM
 from .cache import KVCache
@@ -154,8 +155,8 @@ class MLAttention(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> LatentCache:
         """A cache of latents and rope keys for this layer."""
-        w = self.kv_a_proj_with_mqa.weight
-        return LatentCache(batch, 1, max_len, self.r, w.dtype, w.device, v_head_dim=self.dr)
+        dtype, device = dtype_device(self.kv_a_proj_with_mqa)
+        return LatentCache(batch, 1, max_len, self.r, dtype, device, v_head_dim=self.dr)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleave:

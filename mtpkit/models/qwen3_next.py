@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..quant.linear import dtype_device
 from .attention import Attention
 from .base import CausalLM
 from .config import ConfigBase, require
@@ -169,8 +170,7 @@ class Qwen3NextDecoderLayer(nn.Module):
     def new_cache(self, batch: int, max_len: int):
         """KV cache for attention layers, recurrent state for delta-net layers."""
         if self.kind == "linear_attention":
-            w = self.linear_attn.out_proj.weight
-            return self.linear_attn.new_cache(batch, w.device)
+            return self.linear_attn.new_cache(batch, dtype_device(self.linear_attn.out_proj)[1])
         return self.self_attn.new_cache(batch, max_len)
 
 

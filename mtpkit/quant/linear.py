@@ -1,0 +1,249 @@
+"""Weight-only quantized linear layers: int8 / int4 codes with scales (and zero points), FP8.
+
+Every on-disk format (compressed-tensors, GPTQ, AWQ, DeepSeek FP8) is read into one canonical
+form, so there is one set of kernels and one reference dequantization:
+
+    int:  w[n, k] = (codes[n, k] - zero[n, g(k)]) * scale[n, g(k)]     codes, zero signed ints
+    fp8:  w[n, k] = float(e4m3[n, k]) * scale[n // br, k // bc]          (tensor/channel/block)
+
+``g(k) = k // group_size`` in the order the codes are stored; activation-ordered checkpoints
+(GPTQ ``desc_act``, compressed-tensors ``g_idx``) keep their columns permuted so that groups
+are contiguous, and the input is permuted the same way (``perm``).
+
+Which kernel runs is chosen per call from the device and the number of rows (see
+``QuantLinear.forward`` and docs/quantization.md for the measurements behind it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_FP8 = torch.float8_e4m3fn
+
+
+class QuantLinear(nn.Module):
+    """A Linear whose weight is stored quantized; ``dequantize()`` is the reference."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        kind: str,  # "int" or "fp8"
+        bits: int = 8,
+        group_size: int | None = None,  # None: one group per row (per channel)
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.kind, self.bits, self.group_size = kind, bits, group_size
+        self.block: tuple[int, int] | None = None  # fp8: scale tile (rows, cols)
+        self.register_buffer("bias", bias)
+        self.dtype = torch.float32  # the compute dtype the rest of the model was cast to
+        self._packed: dict = {}  # kernel-specific forms, built on first use per device
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_int(
+        cls,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        bits: int,
+        group_size: int | None,
+        perm: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> QuantLinear:
+        """From signed integer codes [N, K], scales [N, G] and optional zero points [N, G]."""
+        n, k = codes.shape
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        if codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
+            raise ValueError(f"{bits}-bit codes outside [{lo}, {hi}]")
+        groups = 1 if group_size is None else -(-k // group_size)
+        if scale.dim() == 1:
+            scale = scale[:, None]
+        if tuple(scale.shape) != (n, groups):
+            raise ValueError(f"scale shape {tuple(scale.shape)} != {(n, groups)}")
+        m = cls(k, n, "int", bits, group_size, bias)
+        m.register_buffer("codes", codes.to(torch.int8).contiguous())
+        m.register_buffer("scale", scale.float().contiguous())
+        m.register_buffer(
+            "zero", None if zero is None else zero.reshape(n, groups).to(torch.int8).contiguous()
+        )
+        m.register_buffer("perm", None if perm is None else perm.long())
+        return m
+
+    @classmethod
+    def from_fp8(
+        cls,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        block: tuple[int, int] | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> QuantLinear:
+        """From e4m3 weights [N, K] and a scale per tensor (1,), row (N, 1) or block tile."""
+        n, k = weight.shape
+        scale = scale.float()
+        if block is None:
+            if scale.numel() == 1:
+                block = (n, k)
+            elif scale.numel() == n:
+                block = (1, k)
+            else:
+                raise ValueError(f"FP8 scale shape {tuple(scale.shape)} fits neither a tensor, "
+                                 f"a channel nor a block scale of a {n}x{k} weight")
+        br, bc = block
+        grid = (-(-n // br), -(-k // bc))
+        if scale.numel() != grid[0] * grid[1]:
+            raise ValueError(f"FP8 scale shape {tuple(scale.shape)} does not tile {n}x{k} in "
+                             f"{br}x{bc} blocks")
+        m = cls(k, n, "fp8", 8, None, bias)
+        m.block = (br, bc)
+        # Stored as raw bytes: Module.to(dtype) would otherwise "cast" e4m3 weights to fp32.
+        m.register_buffer("fp8", weight.to(_FP8).view(torch.uint8).contiguous())
+        m.register_buffer("scale", scale.reshape(grid).contiguous())
+        return m
+
+    def _apply(self, fn, recurse=True):
+        # Moves between devices apply; dtype casts do not: codes, zero points and scales keep
+        # their precision whatever dtype the rest of the model is cast to.
+        dtypes = {k: b.dtype for k, b in self._buffers.items() if b is not None and k != "bias"}
+        self.dtype = fn(torch.empty(0, dtype=self.dtype, device=self.scale.device)).dtype
+        super()._apply(fn, recurse)
+        for k, dt in dtypes.items():
+            if self._buffers[k].dtype != dt:
+                self._buffers[k] = self._buffers[k].to(dt)
+        self._packed = {}
+        return self
+
+    # -- reference ------------------------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] in the checkpoint's column order, as the format defines it."""
+        n, k = self.out_features, self.in_features
+        if self.kind == "fp8":
+            br, bc = self.block
+            s = self.scale.repeat_interleave(br, 0)[:n].repeat_interleave(bc, 1)[:, :k]
+            return (self.fp8.view(_FP8).float() * s).to(dtype)
+        q = self.codes.float()
+        if self.zero is not None:
+            q = q - self._expand(self.zero.float())
+        w = q * self._expand(self.scale)
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w.to(dtype)
+
+    def _expand(self, per_group: torch.Tensor) -> torch.Tensor:
+        if self.group_size is None:
+            return per_group  # [N, 1] broadcasts
+        return per_group.repeat_interleave(self.group_size, 1)[:, : self.in_features]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A float copy of the weight, kept, for code that needs the matrix itself (MLA's
+        absorbed attention); ordinary forwards never build it."""
+        return self._prepare(("weight", self.dtype), lambda: self.dequantize(self.dtype))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weight data a forward pass reads (packed codes and scales)."""
+        if self.kind == "fp8":
+            return self.fp8.numel() + 4 * self.scale.numel()
+        return self.codes.numel() * self.bits // 8 + 4 * self.scale.numel()
+
+    # -- forward --------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.kind == "int" and self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        out = None
+        if x2.device.type == "cpu" and self.kind == "int":
+            out = self._cpu_int(x2)
+        elif x2.device.type == "cpu":
+            # Decoding e4m3 on this CPU runs at ~150 MB/s (110 ms for a 4096x4096 weight),
+            # so FP8 weights are decoded once and kept in the compute dtype: exact, but
+            # without FP8's memory saving on CPU.
+            w = self._prepare(("fp8", x2.dtype), lambda: self.dequantize(x2.dtype))
+            out = F.linear(x2, w)
+        if out is None:
+            out = F.linear(x2, self._float_weight(x2.dtype))
+        else:
+            out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _float_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        # Dequantize per call (the codes stay the only copy); columns stay in stored order
+        # because the input was permuted to match.
+        if self.kind == "fp8":
+            return self.dequantize(dtype)
+        q = self.codes.to(dtype)
+        if self.zero is not None:
+            q = q - self._expand(self.zero.to(dtype))
+        return q * self._expand(self.scale.to(dtype))
+
+    def _cpu_int(self, x: torch.Tensor) -> torch.Tensor | None:
+        # torch's packed CPU kernels take bf16 activations (fp32 ones are ~10x slower, see
+        # docs/quantization.md). Their cost grows linearly with rows; past ~256 rows (a long
+        # prefill) dequantizing once and running an fp32 GEMM is cheaper.
+        if x.shape[0] > self.max_kernel_rows:
+            return None
+        if self.bits == 8 and self.group_size is None:
+            w = self._prepare("int8", self._pack_int8)
+            out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, self._s_bf16)
+            if self.zero is not None:
+                # (q - z) * s: the zero-point term is a rank-one correction.
+                out = out.float() - x.float().sum(-1, keepdim=True) * self._zs[None, :]
+            return out
+        if self.bits == 4 and self.group_size in (32, 64, 128, 256):
+            packed = self._prepare("int4", self._pack_int4)
+            if packed is False:
+                return None
+            w, sz = packed
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), w, self.group_size, sz
+            )
+        return None
+
+    max_kernel_rows = 256
+
+    def _prepare(self, key, build):
+        if key not in self._packed:
+            self._packed[key] = build()
+        return self._packed[key]
+
+    def _pack_int8(self) -> torch.Tensor:
+        s = self.scale[:, 0]
+        self._s_bf16 = s.to(torch.bfloat16)
+        if self.zero is not None:
+            self._zs = (self.zero[:, 0].float() * s).float()
+        return self.codes
+
+    def _pack_int4(self):
+        n, k = self.codes.shape
+        if k % self.group_size or n % 16 or k % 32:
+            return False  # the packed layout's tiling does not fit this shape
+        # The kernel computes (u - 8) * scale + offset on unsigned nibbles u = q + 8, so the
+        # zero point folds into the offset: (q - z) * s = (u - 8) * s + (-z * s).
+        u = (self.codes.to(torch.int32) + 8).to(torch.uint8)
+        w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32), 1)
+        s = self.scale
+        off = torch.zeros_like(s) if self.zero is None else -self.zero.float() * s
+        sz = torch.stack([s, off], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        return w, sz
+
+    def extra_repr(self) -> str:
+        """Shape and scheme, shown when printing the model."""
+        scheme = "fp8" if self.kind == "fp8" else f"int{self.bits}"
+        group = f", group={self.group_size}" if self.group_size else ""
+        return f"{self.in_features} -> {self.out_features}, {scheme}{group}"
+
+
+def dtype_device(linear: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """Compute dtype and device of a Linear or QuantLinear, without dequantizing anything."""
+    if isinstance(linear, QuantLinear):
+        return linear.dtype, linear.scale.device
+    return linear.weight.dtype, linear.weight.device
