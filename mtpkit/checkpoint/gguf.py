@@ -833,8 +833,9 @@ def _write_metadata(
             w.add_ssm_inner_size(lin.nv * lin.dv)
         if cfg.get("linear_conv_kernel_dim") is not None:
             w.add_ssm_conv_kernel(int(cfg["linear_conv_kernel_dim"]))
-        if cfg.get("full_attention_interval") is not None:
-            w.add_full_attention_interval(int(cfg["full_attention_interval"]))
+        interval = _full_attention_interval(cfg)
+        if interval is not None:
+            w.add_full_attention_interval(interval)
         for key, add in (
             ("num_experts", w.add_expert_count),
             ("num_experts_per_tok", w.add_expert_used_count),
@@ -933,3 +934,27 @@ def write_gguf(
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _full_attention_interval(cfg: dict) -> int | None:
+    """GGUF stores the hybrid layout as an interval; Qwen3.5 configs give ``layer_types``."""
+    if cfg.get("full_attention_interval") is not None:
+        return int(cfg["full_attention_interval"])
+    types = cfg.get("layer_types")
+    if not types or "full_attention" not in types:
+        return None
+    n = types.index("full_attention") + 1
+    if any((t == "full_attention") != ((i + 1) % n == 0) for i, t in enumerate(types)):
+        raise ValueError(f"layer_types {types} has no fixed full-attention interval, which is "
+                         "the only hybrid layout GGUF can describe")
+    return n
+
+
+def arch_for_model_type(model_type: str) -> str:
+    """The GGUF architecture name llama.cpp uses for an HF model_type."""
+    for arch, (mt, _) in _ARCHS.items():
+        if mt in (model_type, f"{model_type}_text"):
+            return arch
+    known = sorted(mt for mt, _ in _ARCHS.values())
+    raise ValueError(f"no GGUF architecture for model_type {model_type!r}; GGUF output "
+                     f"supports {', '.join(known)}")

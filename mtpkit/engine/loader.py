@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -99,5 +101,12 @@ def load_model(
             base.path
         )
     vocab = getattr(ckpt, "draft_vocab", None)
+    if vocab is None and head is None:
+        # A head merged into a checkpoint (mtpkit quantize --head) keeps its vocabulary here.
+        from ..train.heads import DRAFT_VOCAB
+
+        f = Path(ckpt.path) / DRAFT_VOCAB if getattr(ckpt, "path", None) else None
+        if f is not None and f.is_file() and model.mtp is not None:
+            vocab = json.loads(f.read_text())["token_ids"]
     vocab = torch.tensor(vocab, device=dev) if vocab else None
     return Loaded(model, tok, ckpt, report, vocab)

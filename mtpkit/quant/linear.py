@@ -107,13 +107,13 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # Moves between devices apply; dtype casts do not: codes, zero points and scales keep
-        # their precision whatever dtype the rest of the model is cast to.
-        dtypes = {k: b.dtype for k, b in self._buffers.items() if b is not None and k != "bias"}
-        self.dtype = fn(torch.empty(0, dtype=self.dtype, device=self.scale.device)).dtype
-        super()._apply(fn, recurse)
-        for k, dt in dtypes.items():
-            if self._buffers[k].dtype != dt:
-                self._buffers[k] = self._buffers[k].to(dt)
+        # their precision whatever dtype the rest of the model is cast to. The target device
+        # and dtype are read off a probe, since ``fn`` is opaque.
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.scale.device))
+        self.dtype = probe.dtype
+        for k, b in self._buffers.items():
+            if b is not None:
+                self._buffers[k] = fn(b) if k == "bias" else b.to(probe.device)
         self._packed = {}
         return self
 

@@ -1,0 +1,63 @@
+"""`mtpkit quantize`."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(sub) -> None:
+    """Register `quantize`."""
+    p = sub.add_parser(
+        "quantize",
+        help="write a quantized copy of a checkpoint with its MTP head intact",
+        description="Round-to-nearest weight-only quantization to compressed-tensors (vLLM) "
+                    "or GGUF (llama.cpp), keeping the MTP head loadable by both.",
+    )
+    p.add_argument("--model", help="HF checkpoint folder (default: the built-in model)")
+    p.add_argument("--head", help="an MTP head folder (mtpkit calibrate) to merge in as mtp.*")
+    p.add_argument("--scheme", choices=["w4a16", "w8a16", "fp8"], default="w4a16")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="w4a16: 32/64/128/256 (default 128); w8a16: default per channel; "
+                        "0 = per channel")
+    p.add_argument("--asymmetric", action="store_true", help="int schemes: with zero points")
+    p.add_argument("--mtp", choices=["keep", "same", "w8a16"], default="keep",
+                   help="MTP head precision: keep as stored (default; BF16 heads keep their "
+                        "acceptance), same as the trunk, or int8")
+    p.add_argument("--format", choices=["compressed-tensors", "gguf"],
+                   default="compressed-tensors")
+    p.add_argument("--gguf-type", choices=["Q8_0", "Q4_0", "Q4_K"], default="Q8_0",
+                   help="--format gguf: tensor type")
+    p.add_argument("--out", required=True, help="output folder (or .gguf file)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.set_defaults(func=run)
+
+
+def run(a) -> int:
+    """Run `mtpkit quantize`."""
+    from .pack import Scheme
+    from .quantize import quantize_checkpoint, quantize_gguf
+
+    model = a.model
+    if model is None:
+        from ..builtin import builtin_head, builtin_trunk
+
+        model = str(builtin_trunk())
+        if a.head is None:
+            a.head = builtin_head()
+    if a.format == "gguf":
+        if a.head is not None:
+            raise ValueError("--head with --format gguf is not supported yet; GGUF output "
+                             "takes checkpoints whose MTP layers are their own")
+        path = quantize_gguf(model, a.out, a.gguf_type, force=a.force)
+        print(f"wrote {path} ({a.gguf_type})", file=sys.stderr)
+        return 0
+    group = a.group_size
+    if group is None:
+        group = 128 if a.scheme == "w4a16" else 0
+    scheme = Scheme(a.scheme, group or None, symmetric=not a.asymmetric)
+    rep = quantize_checkpoint(model, a.out, scheme, mtp=a.mtp, head=a.head, force=a.force)
+    print(f"wrote {rep.out}: {len(rep.quantized)} modules {a.scheme}"
+          f"{f' g{group}' if group else ''}, {len(rep.kept)} kept unquantized "
+          f"({len(rep.ignore)} ignore entries); {rep.bytes_in / 1e6:.1f} MB -> "
+          f"{rep.bytes_out / 1e6:.1f} MB", file=sys.stderr)
+    return 0

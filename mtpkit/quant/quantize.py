@@ -1,0 +1,315 @@
+"""`mtpkit quantize`: write a quantized copy of a checkpoint that keeps its MTP head working.
+
+compressed-tensors output is what vLLM loads: every tensor (MTP included) in indexed shards,
+the config's MTP fields kept, and an ``ignore`` list in the engine's runtime module names
+that covers every Linear left unquantized (the MTP head when kept in BF16, its combine
+projection, lm_head, modules whose shape the kernels cannot take). GGUF output is what
+llama.cpp loads: MTP layers under ``blk.N.nextn.*`` with ``block_count`` and
+``nextn_predict_layers`` set (see checkpoint/gguf.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ..checkpoint import open_checkpoint
+from ..checkpoint.errors import CheckpointError
+from .formats import quant_config_of, scan
+from .pack import Scheme, config_group, quantize_weight
+
+MTP_MODES = ("keep", "same", "w8a16")
+SHARD_BYTES = 2 << 30
+# Linear modules that combine the MTP head's inputs: vLLM builds them unquantized.
+_MTP_COMBINE = ("mtp.fc.",)
+_PICKLES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+@dataclass
+class QuantizeReport:
+    """What a quantize run wrote."""
+
+    out: Path
+    quantized: list[str] = field(default_factory=list)  # on-disk module names
+    kept: list[str] = field(default_factory=list)  # Linear modules left unquantized
+    ignore: list[str] = field(default_factory=list)
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+def quantize_checkpoint(
+    model: str | os.PathLike,
+    out: str | os.PathLike,
+    scheme: Scheme,
+    mtp: str = "keep",
+    head: str | os.PathLike | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = lambda s: None,
+) -> QuantizeReport:
+    """Write ``model`` quantized with ``scheme`` as a compressed-tensors folder at ``out``;
+    ``head`` (a `mtpkit calibrate` folder) is merged in as the checkpoint's own ``mtp.*``."""
+    src, dst = Path(model).resolve(), Path(out).resolve()
+    _check_paths(src, dst, force)
+    if mtp not in MTP_MODES:
+        raise ValueError(f"--mtp must be one of {', '.join(MTP_MODES)}, got {mtp!r}")
+    ckpt = open_checkpoint(src)
+    if getattr(ckpt, "arch", None) is not None:
+        raise ValueError(f"{src} is a GGUF file; quantize the HF (BF16/FP32) checkpoint instead")
+    if scan(ckpt).modules or quant_config_of(ckpt):
+        raise ValueError(f"{src} is already quantized; quantize its BF16 release instead")
+    if head is not None:
+        from ..train.heads import WithHead
+
+        ckpt = WithHead(ckpt, head)
+    layout = _Layout(ckpt)
+    mtp_scheme = {"keep": None, "same": scheme, "w8a16": Scheme("w8a16")}[mtp]
+    report = QuantizeReport(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        plan = _plan(ckpt, layout, scheme, mtp_scheme)
+        shards = _ShardWriter(tmp)
+        groups: dict[str, list[str]] = {}
+        for name in ckpt.tensor_names():
+            tensor = ckpt.get_tensor(name)
+            report.bytes_in += tensor.numel() * tensor.element_size()
+            prefix = name[: -len(".weight")]
+            use = plan.get(prefix) if name.endswith(".weight") else None
+            if use is None:
+                if prefix in plan:
+                    report.kept.append(prefix)
+                shards.add(name, tensor)
+                continue
+            for suffix, t in quantize_weight(tensor, use).items():
+                shards.add(f"{prefix}.{suffix}", t)
+            report.quantized.append(prefix)
+            groups.setdefault(use.name, []).append(prefix)
+            log(f"quantized {prefix} ({use.name})")
+        index = shards.finish()
+        report.bytes_out = index["metadata"]["total_size"]
+        report.ignore = _ignore_list(report.kept, layout)
+        config = json.loads((src / "config.json").read_text())
+        if head is not None:
+            _declare_head(config, ckpt, tmp)
+        config["quantization_config"] = _quant_config(scheme, mtp_scheme, groups, report.ignore,
+                                                      layout.model_type)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        _copy_side_files(src, tmp)
+        from ..train.heads import replace_dir
+
+        replace_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _declare_head(config: dict, ckpt, folder: Path) -> None:
+    # The merged head is declared the way the family's own releases declare theirs, and its
+    # draft vocabulary travels with it.
+    target = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    target["num_nextn_predict_layers"] = target["mtp_num_hidden_layers"] = ckpt.n_layers
+    if ckpt.draft_vocab:
+        from ..train.heads import write_draft_vocab
+
+        write_draft_vocab(folder, ckpt.draft_vocab)
+
+
+def _check_paths(src: Path, dst: Path, force: bool) -> None:
+    if not src.is_dir():
+        raise ValueError(f"{src} is not a checkpoint folder (config.json + *.safetensors)")
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise ValueError(f"--out {dst} overlaps the input {src}; mtpkit never writes over its "
+                         "input: choose another folder")
+    if dst.exists() and not force:
+        raise ValueError(f"{dst} exists; choose another --out or pass --force to replace it")
+
+
+class _Layout:
+    """Which checkpoint tensors are Linear weights of the model, and which belong to MTP."""
+
+    def __init__(self, ckpt) -> None:
+        from ..engine.loader import hf_config_of
+        from ..models.registry import family_for
+
+        config = dict(hf_config_of(ckpt))
+        self.config = config
+        self.model_type = config.get("model_type")
+        cls = family_for(self.model_type)
+        with torch.device("meta"):
+            self.model = cls(cls.config_class.from_hf_config(config))
+        self.modules = dict(self.model.named_modules())
+
+    def _mapped(self, name: str) -> str | None:
+        if not name.endswith(".weight"):
+            return None
+        return self.model.map_checkpoint_name(name)
+
+    def linear(self, name: str) -> tuple[str, bool] | None:
+        """(on-disk module prefix, is it MTP) for a Linear weight; None for anything else."""
+        mapped = self._mapped(name)
+        if mapped is None:
+            return None
+        owner = self.modules.get(mapped[: -len(".weight")])
+        if not isinstance(owner, nn.Linear):
+            return None
+        return name[: -len(".weight")], mapped.startswith("mtp.")
+
+    def is_combine(self, name: str) -> bool:
+        """The MTP projection of [embedding, hidden] (eh_proj / fc / input_proj)."""
+        mapped = self._mapped(name) or ""
+        return mapped.startswith(_MTP_COMBINE)
+
+
+def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None) -> dict:
+    """On-disk Linear module -> the scheme it is written in (None: kept as stored)."""
+    from ..checkpoint.runtime_names import runtime_module
+
+    plan: dict[str, Scheme | None] = {}
+    for name in ckpt.tensor_names():
+        linear = layout.linear(name)
+        if linear is None:
+            continue
+        prefix, is_mtp = linear
+        use = mtp_scheme if is_mtp else scheme
+        shape = tuple(ckpt.get_tensor(name).shape) if not hasattr(ckpt, "tensor_shape") \
+            else tuple(ckpt.tensor_shape(name))
+        if (use is None or name.startswith("lm_head.") or layout.is_combine(name)
+                or len(shape) != 2 or not use.fits(*shape)):
+            use = None
+        plan[prefix] = use
+    # The engine fuses q/k/v and gate/up into one module quantized as a whole: one shard
+    # kept unquantized (a shape the kernels cannot take) keeps its siblings too.
+    fused: dict[str, list[str]] = {}
+    for prefix in plan:
+        fused.setdefault(runtime_module(prefix, layout.model_type, config=layout.config),
+                         []).append(prefix)
+    for members in fused.values():
+        schemes = {plan[m] for m in members}
+        if len(schemes) > 1:
+            for m in members:
+                plan[m] = None
+    return plan
+
+
+def _ignore_list(kept: list[str], layout: _Layout) -> list[str]:
+    from ..checkpoint.runtime_names import ignore_list_for
+
+    return ignore_list_for(sorted(kept), layout.model_type, config=layout.config)
+
+
+def _quant_config(scheme, mtp_scheme, groups: dict, ignore: list[str], model_type) -> dict:
+    cfg_groups = {"group_0": config_group(scheme, ["Linear"])}
+    if mtp_scheme is not None and mtp_scheme.name != scheme.name and groups.get(mtp_scheme.name):
+        # Exact names outrank the class target in vLLM's and compressed-tensors' matching.
+        from ..checkpoint.runtime_names import runtime_module
+
+        names = sorted({runtime_module(m, model_type) for m in groups[mtp_scheme.name]})
+        cfg_groups["group_1"] = config_group(mtp_scheme, names)
+    formats = {scheme.format} | ({mtp_scheme.format} if "group_1" in cfg_groups else set())
+    if len(formats) > 1:
+        cfg_groups["group_0"]["format"] = scheme.format
+        cfg_groups["group_1"]["format"] = mtp_scheme.format
+    return {
+        "quant_method": "compressed-tensors",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "config_groups": cfg_groups,
+        "ignore": ignore,
+        "quantization_status": "compressed",
+    }
+
+
+class _ShardWriter:
+    """Safetensors shards of at most SHARD_BYTES, named and indexed as HF does."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.current: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.parts: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.size + nbytes > SHARD_BYTES:
+            self._flush()
+        self.current[name] = tensor.contiguous()
+        self.size += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        path = self.folder / f".part-{len(self.parts)}.safetensors"
+        save_file(self.current, path, metadata={"format": "pt"})
+        self.parts.append((path, list(self.current)))
+        self.current, self.size = {}, 0
+
+    def finish(self) -> dict:
+        """Name the shards model-0000i-of-0000n and return the index."""
+        if self.current or not self.parts:
+            self._flush()
+        n = len(self.parts)
+        weight_map = {}
+        for i, (path, names) in enumerate(self.parts, 1):
+            final = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+            path.rename(self.folder / final)
+            weight_map.update({name: final for name in names})
+        return {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    # Tokenizer, chat template, generation config...: everything but the weights (and never
+    # pickles, which mtpkit does not read or pass on).
+    for f in src.iterdir():
+        if not f.is_file() or f.name.startswith(".") or f.name == "config.json":
+            continue
+        if f.suffix in (".safetensors", *_PICKLES) or f.name.endswith(".safetensors.index.json"):
+            continue
+        shutil.copy2(f, dst / f.name)
+
+
+def quantize_gguf(
+    model: str | os.PathLike, out: str | os.PathLike, qtype: str, force: bool = False
+) -> Path:
+    """Write ``model`` as one GGUF file of type ``qtype`` with its MTP layers as nextn."""
+    from ..checkpoint.gguf import arch_for_model_type, write_gguf
+    from ..checkpoint.tokenizer import Tokenizer
+    from ..engine.loader import hf_config_of
+
+    src, dst = Path(model).resolve(), Path(out).resolve()
+    if dst.suffix != ".gguf":
+        raise ValueError(f"--out {dst} should name a .gguf file for --format gguf")
+    if dst.exists() and not force:
+        raise ValueError(f"{dst} exists; choose another --out or pass --force to replace it")
+    if dst == src:
+        raise ValueError("--out is the input file; mtpkit never writes over its input")
+    ckpt = open_checkpoint(src)
+    config = dict(hf_config_of(ckpt))
+    arch = arch_for_model_type(config.get("model_type", ""))
+    if scan(ckpt).modules:
+        raise CheckpointError(f"{src}: quantized input; convert its BF16 release to GGUF")
+    # GGUF names follow the text model's HF names: undo VLM prefixes, drop vision towers.
+    layout = _Layout(ckpt)
+    tensors = {}
+    for n in ckpt.tensor_names():
+        mapped = layout.model.map_checkpoint_name(n)
+        if mapped is not None:
+            tensors[mapped] = ckpt.get_tensor(n)
+    tok = None
+    if (src / "tokenizer.json").exists():
+        tok = Tokenizer.from_hf_dir(src)
+    else:
+        warnings.warn(f"{src} has no tokenizer.json; the GGUF is written without a tokenizer "
+                      "and llama.cpp will need one from elsewhere", stacklevel=2)
+    write_gguf(dst, arch, config, tensors, tokenizer=tok, qtype=qtype)
+    return dst

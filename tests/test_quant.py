@@ -1,0 +1,359 @@
+"""Quantized weights: kernels against the reference dequantization, every on-disk format read
+back, `mtpkit quantize` outputs that load (here, in compressed-tensors itself, and under
+vLLM's ignore rules) with MTP intact and greedy output unchanged by speculation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tiny import VOCAB
+
+from mtpkit.checkpoint.errors import CheckpointError
+from mtpkit.cli import main
+from mtpkit.engine.generate import Engine, Result
+from mtpkit.engine.loader import load_model
+from mtpkit.engine.sampling import SamplingParams
+from mtpkit.quant.formats import _gptq, _pack_quantized, _scaled
+from mtpkit.quant.linear import QuantLinear
+from mtpkit.quant.pack import Scheme, _compressor, quantize_weight
+
+INT_LAYOUTS = [  # (bits, group, asymmetric, act-order permutation)
+    (8, None, False, False), (8, None, True, False), (8, 64, True, False),
+    (4, 32, False, False), (4, 64, True, False), (4, 128, False, False), (4, 32, True, True),
+]
+
+
+def _int_layer(bits, group, asym, perm, n=96, k=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    codes = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8)
+    groups = 1 if group is None else k // group
+    scale = torch.rand(n, groups, generator=g) * 0.05 + 0.01
+    zero = torch.randint(lo // 2, hi // 2, (n, groups), generator=g).to(torch.int8) if asym \
+        else None
+    p = torch.randperm(k, generator=g) if perm else None
+    return QuantLinear.from_int(codes, scale, zero, bits, group, p)
+
+
+def _reference_weight(layer: QuantLinear) -> torch.Tensor:
+    """The formula written out element by element in the stored column order."""
+    n, k = layer.codes.shape
+    w = torch.empty(n, k)
+    for col in range(k):
+        gi = 0 if layer.group_size is None else col // layer.group_size
+        z = layer.zero[:, gi].float() if layer.zero is not None else 0.0
+        w[:, col] = (layer.codes[:, col].float() - z) * layer.scale[:, gi]
+    if layer.perm is not None:
+        out = torch.empty_like(w)
+        out[:, layer.perm] = w
+        w = out
+    return w
+
+
+@pytest.mark.parametrize("bits,group,asym,perm", INT_LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 4, 300])
+def test_int_kernels_match_reference(bits, group, asym, perm, rows):
+    layer = _int_layer(bits, group, asym, perm)
+    ref_w = _reference_weight(layer)
+    assert torch.allclose(layer.dequantize(), ref_w, atol=1e-6)
+    x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(1))
+    want = x @ ref_w.T
+    got = layer(x)
+    # The packed kernels take bf16 activations and scales: ~0.5% relative error.
+    assert (got - want).abs().max() <= 1.5e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("block", [None, "channel", (32, 64)])
+def test_fp8_layer_matches_reference(block):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=g)
+    if block is None:
+        scale = w.abs().amax().reshape(1) / 448
+        q = (w / scale).to(torch.float8_e4m3fn)
+        ref = q.float() * scale
+        layer = QuantLinear.from_fp8(q, scale)
+    elif block == "channel":
+        scale = w.abs().amax(1, keepdim=True) / 448
+        q = (w / scale).to(torch.float8_e4m3fn)
+        ref = q.float() * scale
+        layer = QuantLinear.from_fp8(q, scale)
+    else:
+        scale = torch.rand(3, 4, generator=g) * 0.01 + 0.001
+        full = scale.repeat_interleave(32, 0).repeat_interleave(64, 1)
+        q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        ref = q.float() * full
+        layer = QuantLinear.from_fp8(q, scale, block)
+    assert torch.equal(layer.dequantize(), ref)
+    # Casting the model must not touch the stored e4m3 bytes or the scales.
+    layer.to(torch.bfloat16).to(torch.float32)
+    assert torch.equal(layer.dequantize(), ref)
+    x = torch.randn(3, 256, generator=g)
+    assert torch.allclose(layer(x), x @ ref.T, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", [Scheme("w4a16", 128), Scheme("w4a16", 32, False),
+                                    Scheme("w8a16"), Scheme("w8a16", 64, False), Scheme("fp8")])
+def test_compressed_tensors_round_trip(scheme):
+    """Our writer's tensors, read by our reader, equal compressed-tensors' own decompression;
+    round-to-nearest error stays within half a quantization step."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    t = quantize_weight(w, scheme, scale_dtype=torch.float32)
+    layer = _scaled(t, {}, None) if scheme.name == "fp8" else _pack_quantized(t, None)
+    theirs = _compressor(scheme).decompress(
+        t, QuantizationScheme(targets=["Linear"], weights=scheme.args()))["weight"].float()
+    assert torch.allclose(layer.dequantize(), theirs, atol=1e-6)
+    err = (layer.dequantize() - w).abs()
+    if scheme.name == "fp8":
+        assert (err <= w.abs() / 16 + 1e-6).all()  # e4m3: 3 mantissa bits
+    else:
+        step = layer._expand(layer.scale)
+        assert (err <= step / 2 + 1e-5).all()
+
+
+def _pack_loop(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Reference GPTQ packing, one value at a time: value j of a word sits at bits j*b."""
+    per = 32 // bits
+    v = values.long()
+    if dim == 1:
+        v = v.T
+    rows, cols = v.shape
+    out = torch.zeros(rows // per, cols, dtype=torch.long)
+    for r in range(rows):
+        out[r // per] |= v[r] << (bits * (r % per))
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    return out.T.contiguous() if dim == 1 else out
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_tensors_read_as_documented(desc_act):
+    g = torch.Generator().manual_seed(4)
+    k, n, group = 128, 64, 32
+    u = torch.randint(0, 16, (k, n), generator=g)
+    z = torch.randint(0, 16, (k // group, n), generator=g)
+    scales = torch.rand(k // group, n, generator=g) + 0.1
+    g_idx = torch.arange(k) // group
+    if desc_act:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    t = {"qweight": _pack_loop(u, 4, 0), "qzeros": _pack_loop((z - 1) % 16, 4, 1),
+         "scales": scales.half(), "g_idx": g_idx.int()}
+    layer = _gptq(t, {"bits": 4, "group_size": group, "desc_act": desc_act}, None)
+    want = ((u - z[g_idx]).float() * scales.half().float()[g_idx]).T
+    assert torch.allclose(layer.dequantize(), want, atol=1e-5)
+    x = torch.randn(2, k, generator=g)
+    assert (layer(x) - x @ want.T).abs().max() < 1.5e-2 * (x @ want.T).abs().max()
+
+
+def test_awq_tensors_read_as_documented():
+    from mtpkit.quant.formats import _awq
+
+    g = torch.Generator().manual_seed(5)
+    k, n, group = 64, 32, 32
+    u = torch.randint(0, 16, (k, n), generator=g)
+    z = torch.randint(0, 16, (k // group, n), generator=g)
+    scales = torch.rand(k // group, n, generator=g) + 0.1
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+
+    def pack(v):  # AWQ: eight output columns per int32, in AWQ's interleaved order
+        r, c = v.shape
+        out = torch.zeros(r, c // 8, dtype=torch.long)
+        for j in range(c // 8):
+            for slot, col in enumerate(order):
+                out[:, j] |= v[:, 8 * j + col].long() << (4 * slot)
+        return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+    layer = _awq({"qweight": pack(u), "qzeros": pack(z), "scales": scales},
+                 {"quant_method": "awq", "bits": 4, "group_size": group}, None)
+    want = ((u - z.repeat_interleave(group, 0)).float() * scales.repeat_interleave(group, 0)).T
+    assert torch.allclose(layer.dequantize(), want, atol=1e-5)
+
+
+# -- whole checkpoints ----------------------------------------------------------------------
+
+FAMS = ["llama", "qwen3_5_vlm", "deepseek_v3"]
+
+
+def _quantize(src, out, *args):
+    assert main(["quantize", "--model", str(src), "--out", str(out), *args]) == 0
+
+
+def _load(path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_model(path, tokenizer=False)
+    return loaded, [str(w.message) for w in caught]
+
+
+def _fake_quant_reference(src, quantized):
+    """The fp32 model with every quantized Linear's weight replaced by its dequantization."""
+    ref, _ = _load(src)
+    qmods = {n: m for n, m in quantized.model.named_modules() if isinstance(m, QuantLinear)}
+    assert qmods
+    for name, m in qmods.items():
+        ref.model.get_submodule(name).weight.data.copy_(m.dequantize())
+    return ref
+
+
+@pytest.mark.parametrize("fam", FAMS)
+@pytest.mark.parametrize("scheme", [["--scheme", "w4a16", "--group-size", "32"],
+                                    ["--scheme", "w8a16"], ["--scheme", "fp8"]],
+                         ids=["w4a16", "w8a16", "fp8"])
+def test_quantized_checkpoint_runs_like_its_dequantization(checkpoint_factory, tmp_path, fam,
+                                                           scheme):
+    src = checkpoint_factory(fam)
+    _quantize(src, tmp_path / "q", *scheme)
+    q, notes = _load(tmp_path / "q")
+    assert not [n for n in notes if "unquantized although" in n], notes
+    assert q.model.mtp is not None
+    assert not any(isinstance(m, QuantLinear) for m in q.model.mtp.modules())  # --mtp keep
+    ref = _fake_quant_reference(src, q)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = ref.model.logits(ref.model(ids).hidden)
+        b = q.model.logits(q.model(ids).hidden)
+    assert (a - b).abs().max() < 2e-2 * a.abs().max()
+    engine = Engine(q.model)
+    p = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = list(engine.generate(ids[0].tolist(), p, 0))
+    res = Result()
+    spec = list(engine.generate(ids[0].tolist(), p, 3, result=res))
+    assert spec == plain and res.metrics.num_drafts > 0
+
+
+def test_quantize_output_for_vllm_and_compressed_tensors(checkpoint_factory, tmp_path):
+    """Every tensor indexed (MTP included), MTP config kept, the ignore list covering exactly
+    the modules left unquantized under vLLM's rules, and compressed-tensors decompressing each
+    module to what mtpkit runs."""
+    from compressed_tensors.compressors.pack_quantized.base import (
+        PackedQuantizationCompressor,
+    )
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from mtpkit.checkpoint.runtime_names import is_ignored
+
+    src = checkpoint_factory("qwen3_5_vlm")
+    out = tmp_path / "q"
+    _quantize(src, out, "--scheme", "w4a16", "--group-size", "32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["text_config"]["mtp_num_hidden_layers"] == json.loads(
+        (src / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = {}
+    for f in set(index.values()):
+        tensors.update(load_file(out / f))
+    assert set(index) == set(tensors)
+    assert any(n.startswith("mtp.") for n in index)
+    qcfg = config["quantization_config"]
+    ignore = qcfg["ignore"]
+    quantized = {n[: -len(".weight_packed")] for n in tensors if n.endswith(".weight_packed")}
+    floats = {n[: -len(".weight")] for n, t in tensors.items()
+              if n.endswith("_proj.weight") or n.endswith(("mtp.fc.weight", "lm_head.weight"))}
+    assert quantized and floats
+    for m in quantized:
+        assert not is_ignored(m, ignore, "qwen3_5", config=config), m
+    for m in floats:
+        assert is_ignored(m, ignore, "qwen3_5", config=config), m
+    scheme = QuantizationConfig.model_validate(qcfg).config_groups["group_0"]
+    q, _ = _load(out)
+    by_prefix = {n: m for n, m in q.model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(by_prefix) == len(quantized)
+    layer = by_prefix["model.layers.1.mlp.down_proj"]
+    disk = "model.language_model.layers.1.mlp.down_proj"
+    theirs = PackedQuantizationCompressor.decompress(
+        {k.split(".")[-1]: v for k, v in tensors.items() if k.startswith(disk + ".")}, scheme
+    )["weight"]
+    assert torch.allclose(layer.dequantize(), theirs.float(), atol=1e-6)
+
+
+def test_bf16_head_under_a_quantized_config_loads_as_stored(checkpoint_factory, tmp_path):
+    """The reported 0%-acceptance case: the MTP tensors are plain weights but the config's
+    quantization covers them (no ignore entry). mtpkit loads them unquantized and warns."""
+    src = checkpoint_factory("llama")
+    out = tmp_path / "q"
+    _quantize(src, out, "--scheme", "w8a16")
+    good, _ = _load(out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = ["lm_head"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    bad, notes = _load(out)
+    assert any("unquantized although" in n and "mtp." in n and "config_groups.group_0" in n
+               for n in notes), notes
+    ids = list(range(5, 17))
+    p = SamplingParams(max_tokens=24, ignore_eos=True)
+    results = []
+    for loaded in (good, bad):
+        r = Result()
+        list(Engine(loaded.model).generate(ids, p, 3, result=r))
+        results.append((r.tokens, r.metrics.num_accepted_tokens))
+    assert results[0] == results[1]
+
+
+def test_missing_quantized_tensor_is_an_error_naming_it(checkpoint_factory, tmp_path):
+    src = checkpoint_factory("llama")
+    out = tmp_path / "q"
+    _quantize(src, out, "--scheme", "w4a16", "--group-size", "32")
+    f = out / "model.safetensors"
+    t = load_file(f)
+    victim = "model.layers.0.self_attn.o_proj.weight_scale"
+    del t[victim]
+    save_file(t, f)
+    with pytest.raises(CheckpointError, match=victim.replace(".", r"\.")):
+        _load(out)
+
+
+def test_quantize_refuses_to_touch_its_input(checkpoint_factory, tmp_path, capsys):
+    src = checkpoint_factory("llama")
+    copy = tmp_path / "src"
+    shutil.copytree(src, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    assert main(["quantize", "--model", str(copy), "--out", str(copy)]) == 2
+    assert "never writes over its input" in capsys.readouterr().err
+    _quantize(copy, tmp_path / "q", "--scheme", "w8a16")
+    assert main(["quantize", "--model", str(copy), "--out", str(tmp_path / "q")]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(tmp_path / "q"), "--out",
+                 str(tmp_path / "qq")]) == 2
+    assert "already quantized" in capsys.readouterr().err
+    assert before == {p.name: p.read_bytes() for p in copy.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_mtp_same_quantizes_the_head_too(checkpoint_factory, tmp_path):
+    src = checkpoint_factory("llama")
+    _quantize(src, tmp_path / "q", "--scheme", "w8a16", "--mtp", "same")
+    q, notes = _load(tmp_path / "q")
+    head = [m for m in q.model.mtp.modules() if isinstance(m, QuantLinear)]
+    assert head and not [n for n in notes if "unquantized although" in n]
+    assert not isinstance(q.model.mtp.fc, QuantLinear)  # the combine projection stays float
+
+
+def test_gguf_output_keeps_the_nextn_layers(checkpoint_factory, tmp_path):
+    from mtpkit.checkpoint.gguf import open_gguf
+
+    src = checkpoint_factory("qwen3_5_vlm")
+    dest = tmp_path / "m.gguf"
+    _quantize(src, dest, "--format", "gguf", "--gguf-type", "Q8_0")
+    g = open_gguf(dest)
+    cfg = json.loads((src / "config.json").read_text())["text_config"]
+    n_layer, n_mtp = cfg["num_hidden_layers"], cfg["mtp_num_hidden_layers"]
+    assert g.n_nextn == n_mtp and g.n_layer == n_layer
+    assert any(n.startswith("mtp.") for n in g.tensor_names())
+    q, _ = _load(dest)
+    ids = list(range(3, 15))
+    p = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine = Engine(q.model)
+    assert list(engine.generate(ids, p, 3)) == list(engine.generate(ids, p, 0))
+
+
+def test_quantized_linear_weight_bytes_shrink():
+    layer = _int_layer(4, 32, False, False)
+    assert layer.weight_bytes < 96 * 256 * 4 / 6
+    x = torch.randn(1, 256)
+    assert torch.allclose(layer(x), F.linear(x, layer.weight), rtol=0.02, atol=0.05)
