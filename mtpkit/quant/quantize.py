@@ -206,7 +206,8 @@ def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None) -> d
 def _ignore_list(kept: list[str], layout: _Layout) -> list[str]:
     from ..checkpoint.runtime_names import ignore_list_for
 
-    return ignore_list_for(sorted(kept), layout.model_type, config=layout.config)
+    # lm_head is listed even when tied to the embedding, as llm-compressor writes it.
+    return ignore_list_for(sorted({*kept, "lm_head"}), layout.model_type, config=layout.config)
 
 
 def _quant_config(scheme, mtp_scheme, groups: dict, ignore: list[str], model_type) -> dict:

@@ -69,6 +69,12 @@ class WithHead:
             return self._h.get_tensor(name)
         return self.trunk.get_tensor(name)
 
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Shape without reading the tensor."""
+        if name in self._names:
+            return tuple(self._h.get_slice(name).get_shape())
+        return tuple(self.trunk.tensor_shape(name))
+
     def __getattr__(self, name):
         return getattr(self.trunk, name)
 
