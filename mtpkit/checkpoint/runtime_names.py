@@ -364,10 +364,16 @@ def ignore_list_for(
 ) -> list[str]:
     """Ignore entries that keep exactly these on-disk modules unquantized: the on-disk names
     (for llm-compressor / transformers) and the engine's fused or renamed names (for the
-    engine), sorted and deduplicated. Raises ValueError when only some shards of a fused
-    module are given: no ignore list can make vLLM load that."""
+    engine; ``engine="all"``: for vLLM and SGLang at once), sorted and deduplicated. Raises
+    ValueError when only some shards of a fused module are given: no ignore list can make
+    vLLM load that."""
     disk = sorted(set(disk_modules))
     out: set[str] = set(disk)
+    if engine == "all":
+        for e in _FUSING:
+            out.update(ignore_list_for(disk, model_type, e, config=config))
+        return sorted(out)
+    _check_engine(engine)
     if engine not in _FUSING:
         return sorted(out)
     by_runtime: dict[str, tuple[RuntimeModule, set[str]]] = {}

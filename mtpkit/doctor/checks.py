@@ -1,0 +1,677 @@
+"""Static checks: every cause of a broken MTP head in mtp-formats.md section 2, per engine."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.runtime_names import (
+    IgnoreStatus,
+    describe,
+    entry_matches,
+    ignore_status,
+    map_ignore_entries,
+)
+from .findings import Finding, Report
+from .layout import (
+    GGUF_NATIVE_MTP,
+    NATIVE_MTP,
+    QWEN35,
+    HFLayout,
+    get_key,
+    is_mtp_tensor,
+    logical_shape,
+    mtp_config_key,
+    mtp_layer_count,
+    read_hf,
+)
+
+HF_ENGINES = ("vllm", "sglang", "mtpkit")
+GGUF_ENGINES = ("llama.cpp", "mtpkit")
+ALL_ENGINES = ("vllm", "sglang", "llama.cpp", "mtpkit")
+_FUSING = ("vllm", "sglang")
+_LIST = 6  # names shown per finding before "..."
+
+
+def _few(names, n: int = _LIST) -> str:
+    names = list(names)
+    return ", ".join(map(str, names[:n])) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def graft_cmd(path) -> str:
+    """The graft command for a checkpoint that lost (or broke) its head."""
+    out = _out_name(path, "mtp")
+    return f"mtpkit graft --from <the BF16 release with its MTP head> --into {path} --out {out}"
+
+
+def fix_config_cmd(path) -> str:
+    """The fix-config command for a checkpoint whose config / index / ignore list is wrong."""
+    return f"mtpkit fix-config {path} --out {_out_name(path, 'fixed')}"
+
+
+def _out_name(path, tag: str) -> str:
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return str(p.with_name(f"{p.stem}-{tag}.gguf"))
+    return f"{str(p).rstrip('/')}-{tag}"
+
+
+def diagnose(path, engines=None) -> Report:
+    """Run every static check on a checkpoint folder or GGUF file for the given engines."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such checkpoint folder or file")
+    is_gguf = p.is_file() and (p.suffix == ".gguf" or _magic(p) == b"GGUF")
+    if p.is_file() and not is_gguf:
+        raise CheckpointError(
+            f"{p}: not a checkpoint folder or .gguf file; pass the folder that holds "
+            "config.json and the .safetensors files, or a .gguf file"
+        )
+    wanted = tuple(engines) if engines else ALL_ENGINES
+    for e in wanted:
+        if e not in ALL_ENGINES:
+            raise ValueError(f"--engine {e!r} is not one of {', '.join(ALL_ENGINES)}")
+    # An engine that does not read this format leaves the format's engine-neutral checks.
+    if is_gguf:
+        rep = _gguf_checks(p, [e for e in wanted if e in GGUF_ENGINES])
+    else:
+        rep = _hf_checks(p, [e for e in wanted if e in HF_ENGINES])
+    rep.engines = list(wanted)
+    return rep
+
+
+def _magic(p: Path) -> bytes:
+    with open(p, "rb") as f:
+        return f.read(4)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF folders
+
+
+def _hf_checks(path: Path, engines: list[str]) -> Report:
+    lay = read_hf(path)
+    rep = Report(str(path), "hf", lay.model_type, engines)
+    mt = lay.text_model_type
+    mtp_names = lay.mtp_names()
+    n_mtp = mtp_layer_count(mtp_names, lay.n_layer)
+    key = mtp_config_key(mt, lay.raw)
+    declared = get_key(lay.raw, key)
+    rep.facts.update({"mtp_layers_stored": n_mtp, "mtp_config": f"{key}={declared}",
+                      "quant_method": lay.quant_config.get("quant_method", "none")})
+    _check_presence(rep, lay, mtp_names, n_mtp, key, declared, engines)
+    _check_index(rep, lay, engines)
+    model = _meta_model(rep, lay, max(n_mtp, 1))
+    if model is not None:
+        _check_shapes(rep, lay, model, bool(mtp_names))
+    if lay.quant_config:
+        _check_quantization(rep, lay, engines)
+    _check_mtp_precision(rep, lay)
+    return rep
+
+
+def _check_presence(rep, lay: HFLayout, mtp_names, n_mtp, key, declared, engines) -> None:
+    mt = lay.text_model_type
+    path = lay.path
+    try:
+        declared_n = int(declared) if declared is not None else None
+    except (TypeError, ValueError):
+        declared_n = None
+    expected = mt in NATIVE_MTP or bool(declared_n)
+    if not mtp_names:
+        if expected:
+            why = ("the config declares an MTP head" if declared_n else
+                   f"{mt} releases ship an MTP head")
+            rep.add(Finding(
+                "mtp-missing", "error",
+                f"no MTP tensors in {path.name} ({why}; {key}={declared})",
+                "an export through transformers' save_pretrained drops the MTP weights "
+                "(transformers builds no MTP modules); engines then either refuse MTP "
+                "speculation or, worse, build the head from uninitialised memory "
+                "(0% acceptance)",
+                graft_cmd(path), subject="mtp.*"))
+        else:
+            rep.add(Finding(
+                "mtp-none", "info", f"{path.name} has no MTP head ({mt} releases ship none)",
+                "there is nothing to draft with", f"mtpkit calibrate --model {path} --data "
+                "<text files> --out <head dir>", subject="mtp.*"))
+        return
+    if not declared_n:
+        severity = "error"
+        why = ("engines enable the MTP head from this field: without it the head's "
+               "tensors are ignored and nothing is drafted")
+        if mt == "qwen3_next" and declared is None:
+            why += " (vLLM assumes 1 for qwen3_next when the field is absent; mtpkit does not)"
+        rep.add(Finding(
+            "mtp-config-missing", severity,
+            f"{len(mtp_names)} MTP tensors stored ({n_mtp} layer(s)) but {key} is "
+            f"{'absent' if declared is None else declared}",
+            why, fix_config_cmd(path), subject=key))
+    elif declared_n != n_mtp:
+        rep.add(Finding(
+            "mtp-config-mismatch", "warning" if declared_n < n_mtp else "error",
+            f"{key}={declared_n} but the tensors hold {n_mtp} MTP layer(s)",
+            "the engine builds the declared number of layers; layers without tensors run "
+            "on uninitialised memory, extra stored layers are ignored",
+            fix_config_cmd(path), subject=key))
+    if mt in QWEN35:
+        flag = get_key(lay.raw, "text_config.mtp_use_dedicated_embeddings")
+        if flag is None:
+            flag = lay.raw.get("mtp_use_dedicated_embeddings")
+        own = any(n.startswith("mtp.embed_tokens") for n in mtp_names)
+        if flag and not own:
+            rep.add(Finding(
+                "mtp-dedicated-embeddings", "warning",
+                "mtp_use_dedicated_embeddings is true but there is no mtp.embed_tokens tensor",
+                "an engine that honours the flag builds the head's own embedding and finds "
+                "no weights for it (vLLM ignores the flag and shares the trunk's)",
+                fix_config_cmd(path), subject="mtp_use_dedicated_embeddings"))
+        elif own and not flag:
+            rep.add(Finding(
+                "mtp-dedicated-embeddings", "warning",
+                "mtp.embed_tokens is stored but mtp_use_dedicated_embeddings is not true",
+                "the head's own embedding is ignored; the trunk's is used instead",
+                fix_config_cmd(path), subject="mtp_use_dedicated_embeddings"))
+
+
+def _check_index(rep, lay: HFLayout, engines) -> None:
+    if lay.index is None:
+        return
+    listed = set(lay.index.values())
+    for fname in lay.files:
+        if fname in listed:
+            continue
+        names = [n for n, f in lay.file_of.items() if f == fname]
+        mtp = [n for n in names if is_mtp_tensor(n, lay.n_layer)]
+        if not mtp:
+            continue
+        affected = [e for e in engines if e in _FUSING]
+        if fname not in lay.read_by_mtpkit and "mtpkit" in engines:
+            affected.append("mtpkit")
+        if not affected:
+            continue
+        rep.add(Finding(
+            "mtp-file-unindexed", "error",
+            f"{fname} holds {len(mtp)} MTP tensors but model.safetensors.index.json does not "
+            "list it",
+            "engines read only the files the index lists: the MTP head is silently missing "
+            "(vLLM then drafts from uninitialised weights or refuses MTP)",
+            fix_config_cmd(lay.path), engines=affected, subject=fname))
+
+
+def _meta_model(rep, lay: HFLayout, n_mtp: int):
+    """The family's model built on the meta device (expected names and shapes), or None."""
+    import torch
+
+    from ..models.config import ConfigError
+    from ..models.registry import family_for
+
+    config = dict(lay.config)
+    config["num_nextn_predict_layers"] = config["mtp_num_hidden_layers"] = n_mtp
+    try:
+        cls = family_for(config.get("model_type"))
+        cfg = cls.config_class.from_hf_config(config)
+        with torch.device("meta"):
+            return cls(cfg)
+    except (ConfigError, KeyError, TypeError, ValueError) as e:
+        rep.add(Finding(
+            "unknown-model-type", "info",
+            f"mtpkit cannot build model_type {config.get('model_type')!r} ({e}); shape checks "
+            "skipped", "", "", subject="model_type"))
+        return None
+
+
+def _check_shapes(rep, lay: HFLayout, model, has_mtp: bool) -> None:
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    found: set[str] = set()
+    mismatches = []
+    for mod in lay.modules.values():
+        for suffix, tname in mod.params.items():
+            if mod.fmt != "float" and suffix != "bias":
+                continue  # quantized tensors: compared below through their logical shape
+            mapped = model.map_checkpoint_name(tname)
+            if mapped is None:
+                continue
+            if mapped in params:
+                found.add(mapped)
+                if params[mapped] != lay.shapes[tname]:
+                    mismatches.append((tname, lay.shapes[tname], params[mapped]))
+            elif re.search(r"\.experts\.(gate_up_proj|down_proj)$", mapped):
+                prefix = mapped.rsplit(".", 1)[0]
+                found.update(p for p in params if p.startswith(prefix + "."))
+        if mod.fmt != "float":
+            mapped = model.map_checkpoint_name(mod.name + ".weight")
+            if mapped in params:
+                found.add(mapped)
+                shape = logical_shape(lay, mod)
+                if shape is not None and tuple(shape) != params[mapped]:
+                    mismatches.append((mod.name, tuple(shape), params[mapped]))
+    for tname, got, want in mismatches:
+        rep.add(Finding(
+            "shape-mismatch", "error",
+            f"{tname} has shape {got}, the config implies {want}",
+            "the weights do not belong to this config (wrong hidden/intermediate size, head "
+            "counts, vocab_size, or a head taken from another model)",
+            "take the head from the release this trunk came from: " + graft_cmd(lay.path),
+            subject=tname))
+    tied = bool(lay.config.get("tie_word_embeddings"))
+    for shared in ("model.embed_tokens.weight", "lm_head.weight"):
+        if shared == "lm_head.weight" and tied:
+            continue
+        if shared in params and shared not in found:
+            rep.add(Finding(
+                "shared-embedding-missing", "error",
+                f"{shared} (as the model names it) is missing",
+                "the MTP head embeds the next token with the trunk's embedding and scores "
+                "its drafts with the trunk's lm_head",
+                "copy the tensor from the original release (every shard present?)",
+                subject=shared))
+    if has_mtp and getattr(model, "mtp", None) is not None:
+        want = [p for p in params if p.startswith("mtp.")]
+        missing = [p for p in want if p not in found]
+        if missing and len(missing) < len(want):
+            rep.add(Finding(
+                "mtp-incomplete", "error",
+                f"the MTP head lacks {len(missing)} of its {len(want)} tensors: "
+                f"{_few(missing)} (names as mtpkit's model calls them)",
+                "the missing modules are built uninitialised: drafts are garbage",
+                graft_cmd(lay.path), subject="mtp.*"))
+
+
+def _check_mtp_precision(rep, lay: HFLayout) -> None:
+    low = sorted(m.name for m in lay.modules.values()
+                 if m.fmt != "float" and m.bits is not None and m.bits <= 4
+                 and is_mtp_tensor(m.name, lay.n_layer))
+    if low:
+        rep.add(Finding(
+            "int4-mtp-head", "warning",
+            f"{len(low)} MTP modules are stored at 4 bits or less: {_few(low)}",
+            "a 4-bit draft head loses most of its acceptance (0% vs 78-85% BF16 reported, "
+            "vllm-mlx #471); the head is small, so BF16 costs little",
+            f"{graft_cmd(lay.path)} --mtp-precision keep   (or recalibrate: mtpkit "
+            f"calibrate --model {lay.path} --init head)", subject="mtp.*"))
+
+
+# -- quantization --------------------------------------------------------------------------
+
+
+def _check_quantization(rep, lay: HFLayout, engines) -> None:
+    q = lay.quant_config
+    method = str(q.get("quant_method", "")).lower()
+    path = lay.path
+    for mod in lay.modules.values():
+        if mod.fmt != "float" and mod.missing:
+            rep.add(Finding(
+                "quantized-tensors-missing", "error",
+                f"{mod.name} is stored {mod.fmt} but lacks "
+                f"{', '.join(mod.name + '.' + s for s in mod.missing)}",
+                "the engine builds the quantized module and finds no values for those "
+                "parameters (uninitialised memory or a load failure)",
+                "re-export the module, or " + graft_cmd(path), subject=mod.name))
+    fusing = [e for e in engines if e in _FUSING]
+    if not fusing:
+        return  # mtpkit decides precision by the tensors on disk, not the config
+    if method == "compressed-tensors":
+        for engine in fusing:
+            _check_ct_modules(rep, lay, engine)
+            _check_ct_entries(rep, lay, engine)
+    elif method == "awq":
+        skip = list(q.get("modules_to_not_convert") or [])
+        for engine in fusing:
+            _check_skip_list(rep, lay, engine, lambda rt, s=skip: any(e and e in rt for e in s),
+                             "modules_to_not_convert (substring match)")
+    elif method == "gptq":
+        negs = [k[2:] for k in (q.get("dynamic") or {}) if k.startswith("-:")]
+        for engine in fusing:
+            _check_skip_list(
+                rep, lay, engine,
+                lambda rt, n=negs: any(re.match(p, rt) for p in n) or rt.endswith("lm_head"),
+                "dynamic '-:' patterns")
+
+
+def _linear_modules(lay: HFLayout):
+    return [m for m in lay.modules.values() if m.linear]
+
+
+def _ct_targeted(lay: HFLayout, module: str, runtime: str) -> bool:
+    for group in (lay.quant_config.get("config_groups") or {}).values():
+        for t in group.get("targets") or []:
+            if t == "Linear" or entry_matches(t, runtime) or entry_matches(t, module):
+                return True
+    return False
+
+
+def _mtp_code(lay: HFLayout, name: str) -> str:
+    return ("mtp-unquantized-not-ignored" if is_mtp_tensor(name, lay.n_layer)
+            else "unquantized-not-ignored")
+
+
+def _check_ct_modules(rep, lay: HFLayout, engine: str) -> None:
+    ignore = list(lay.quant_config.get("ignore") or [])
+    mt, path = lay.model_type, lay.path
+    not_ignored: dict[str, list[str]] = {}
+    fused_only: list[str] = []
+    conflicts: dict[str, list[str]] = {}
+    quant_but_ignored: list[str] = []
+    for mod in _linear_modules(lay):
+        try:
+            rt = describe(mod.name, mt, engine, config=lay.raw)
+            status = ignore_status(mod.name, ignore, mt, engine, config=lay.raw)
+        except ValueError as e:
+            rep.add(Finding("unknown-model-type", "info", str(e), "", "", [engine], mod.name))
+            continue
+        if status == IgnoreStatus.SHARD_CONFLICT:
+            conflicts.setdefault(rt.name, []).append(mod.name)
+        elif status == IgnoreStatus.QUANTIZED and mod.fmt == "float":
+            if not _ct_targeted(lay, mod.name, rt.name):
+                continue  # no config group targets it: the engine leaves it unquantized
+            if engine == "sglang" and rt.mtp and not rt.shards and rt.name != mod.name and \
+                    ignore_status(mod.name, ignore, mt, "vllm", config=lay.raw) == \
+                    IgnoreStatus.IGNORED:
+                fused_only.append(f"{mod.name} -> {rt.name}")
+            else:
+                not_ignored.setdefault(_mtp_code(lay, mod.name), []).append(
+                    mod.name if rt.name == mod.name else f"{mod.name} (built as {rt.name})")
+        elif status != IgnoreStatus.QUANTIZED and mod.fmt != "float":
+            quant_but_ignored.append(mod.name)
+    eng = f"{engine}"
+    for code, mods in not_ignored.items():
+        mtp = code.startswith("mtp")
+        rep.add(Finding(
+            code, "error",
+            f"{len(mods)} {'MTP ' if mtp else ''}modules are stored unquantized but the "
+            f"quantization config quantizes them in {eng}: {_few(sorted(mods))}",
+            f"{eng} matches quantization_config.ignore against the modules it builds (fused "
+            "qkv_proj / gate_up_proj, renamed prefixes); these are built quantized, find no "
+            "quantized tensors and run on uninitialised memory"
+            + (": 0% draft acceptance" if mtp else ""),
+            fix_config_cmd(path) + "   (adds the engine's names to the ignore list)",
+            [engine], "quantization_config.ignore"))
+    if fused_only:
+        rep.add(Finding(
+            "ignore-shards-not-fused", "error",
+            f"the ignore list names the on-disk shards of {len(fused_only)} MTP modules that "
+            f"{eng} builds fused: {_few(fused_only)}",
+            f"{eng}'s Qwen3.5 MTP model declares no packed-modules mapping (sglang#35797): "
+            "only the fused name itself excludes a fused module, so the head is built "
+            "quantized over BF16 weights",
+            fix_config_cmd(path) + "   (adds the fused names)", [engine],
+            "quantization_config.ignore"))
+    for fused, mods in conflicts.items():
+        rep.add(Finding(
+            "ignore-shard-conflict", "error",
+            f"the ignore list covers some but not all shards of {fused}: "
+            f"{_few(sorted(mods))}",
+            f"{eng} fuses the shards into one module and refuses to load when they disagree "
+            "(\"Found a different quantization schemes\")",
+            fix_config_cmd(path) + "   (lists every shard and the fused name)", [engine],
+            fused))
+    if quant_but_ignored:
+        rep.add(Finding(
+            "quantized-but-ignored", "error",
+            f"{len(quant_but_ignored)} modules are stored quantized but {eng} builds them "
+            f"unquantized: {_few(sorted(quant_but_ignored))}",
+            "the unquantized module expects a float 'weight' and finds packed tensors: the "
+            "load fails or the module is left uninitialised",
+            "remove them from quantization_config.ignore, or " + graft_cmd(path),
+            [engine], "quantization_config.ignore"))
+
+
+def _check_ct_entries(rep, lay: HFLayout, engine: str) -> None:
+    """Ignore entries that name nothing the engine builds."""
+    ignore = list(lay.quant_config.get("ignore") or [])
+    fix = fix_config_cmd(lay.path) + "   (rewrites the ignore list in the engine's names)"
+    for entry, code, severity, what, why in entry_problems(lay, ignore, engine):
+        rep.add(Finding(code, severity, what, why, "" if severity == "info" else fix,
+                        [engine], entry))
+
+
+def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]:
+    """(entry, code, severity, what, why) for every ignore entry the engine does not apply."""
+    if not ignore or engine not in _FUSING:
+        return []
+    mt = lay.model_type
+    exact: set[str] = set()  # names an exact entry can match
+    regex_ok: set[str] = set()  # names a re: entry is tested against
+    fused_names: set[str] = set()
+    leaves_nq: set[str] = set()
+    for mod in lay.modules.values():
+        try:
+            rt = describe(mod.name, mt, engine, config=lay.raw)
+        except ValueError:
+            continue
+        exact.add(rt.name)
+        if not rt.quantizable:
+            leaves_nq.add(rt.name.rsplit(".", 1)[-1])
+        if rt.shards:
+            fused_names.add(rt.name)
+            exact.update(rt.shards)
+            regex_ok.update(rt.shards)
+        else:
+            regex_ok.add(rt.name)
+        parts = rt.name.split(".")
+        parents = {".".join(parts[:i]) for i in range(1, len(parts))}
+        exact |= parents
+        regex_ok |= parents
+    disk = set(lay.modules)
+    out = []
+    for entry in ignore:
+        if entry.startswith("re:"):
+            try:
+                pat = re.compile(entry[3:])
+            except re.error as e:
+                out.append((entry, "ignore-regex-invalid", "error",
+                            f"ignore entry {entry!r} is not a valid regular expression ({e})",
+                            "it matches nothing, so the modules it was meant for are "
+                            "quantized"))
+                continue
+            if any(pat.match(n) for n in regex_ok):
+                continue
+            hint = _regex_hint(pat, fused_names, disk, regex_ok, exact)
+            out.append((entry, "ignore-regex-no-match", "warning",
+                        f"ignore entry {entry!r} matches no module {engine} builds{hint}",
+                        "re: patterns are matched with Python re.match (anchored at the "
+                        f"start) against {engine}'s module names; the modules it was meant "
+                        "to keep unquantized are built quantized"))
+            continue
+        if "." not in entry and entry[:1].isupper():
+            out.append((entry, "ignore-class-name", "info",
+                        f"ignore entry {entry!r} is a class name; {engine} does not match "
+                        "class names in ignore (compressed-tensors does)", ""))
+            continue
+        mapped = map_ignore_entries([entry], mt, engine, mtp=entry.startswith("mtp."))[0]
+        if mapped in exact or entry in exact:
+            continue
+        if "." not in entry and entry in leaves_nq:
+            continue  # e.g. "lm_head": never quantized by the engine anyway
+        hint = ""
+        if entry in disk:
+            # An on-disk name serves llm-compressor / transformers; it is only a problem for
+            # this engine when the engine still builds that module quantized.
+            try:
+                if ignore_status(entry, ignore, mt, engine, config=lay.raw) in (
+                        IgnoreStatus.IGNORED, IgnoreStatus.NOT_QUANTIZABLE):
+                    continue
+            except ValueError:
+                pass
+            try:
+                hint = (f"; {engine} builds it as "
+                        f"{describe(entry, mt, engine, config=lay.raw).name}")
+            except ValueError:
+                pass
+        out.append((entry, "ignore-matches-nothing", "warning",
+                    f"ignore entry {entry!r} names no module {engine} builds{hint}",
+                    f"{engine} compares ignore entries with the names of the modules it "
+                    "builds (after fusing and renaming); this one keeps nothing unquantized"))
+    return out
+
+
+def _regex_hint(pat, fused, disk, regex_ok, exact) -> str:
+    if any(pat.match(n) for n in fused):
+        return (" (it matches a fused module's name, but a fused module is excluded only by "
+                "its exact name or by patterns matching every shard)")
+    if any(pat.match(n) for n in disk):
+        return " (it matches the on-disk names, not the names the engine builds)"
+    if any(pat.search(n) for n in regex_ok | exact):
+        return " (re.match anchors at the start of the name: prefix the pattern with .*)"
+    return ""
+
+
+def _check_skip_list(rep, lay: HFLayout, engine: str, skipped, what: str) -> None:
+    mt, path = lay.model_type, lay.path
+    by_code: dict[str, list[str]] = {}
+    for mod in _linear_modules(lay):
+        if mod.fmt != "float":
+            continue
+        try:
+            rt = describe(mod.name, mt, engine, config=lay.raw)
+        except ValueError:
+            continue
+        if not rt.quantizable or skipped(rt.name):
+            continue
+        by_code.setdefault(_mtp_code(lay, mod.name), []).append(rt.name)
+    for code, mods in by_code.items():
+        rep.add(Finding(
+            code, "error",
+            f"{len(mods)} modules are stored unquantized but {engine} builds them quantized "
+            f"({what} does not cover them): {_few(sorted(mods))}",
+            "they find no quantized tensors and run on uninitialised memory",
+            fix_config_cmd(path), [engine], "quantization_config"))
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files
+
+
+def gguf_facts(path: Path) -> dict:
+    """Metadata and tensor layout of a GGUF file (memory-mapped; no tensor is read)."""
+    from gguf import GGUFReader
+
+    from ..checkpoint.gguf import open_gguf
+
+    open_gguf(path)  # validates the file (magic, truncation) with clear errors
+    reader = GGUFReader(path, "r")
+    fields = {name: f for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    arch_field = fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else None
+    md = {}
+    for name, f in fields.items():
+        try:
+            md[name] = f.contents()
+        except Exception:  # a field the gguf package cannot decode: leave it out
+            continue
+    blocks: dict[int, set[str]] = {}
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        types[t.name] = t.tensor_type.name
+        if m := re.match(r"blk\.(\d+)\.(.+)", t.name):
+            blocks.setdefault(int(m[1]), set()).add(m[2])
+    nextn_blocks = sorted(b for b, names in blocks.items()
+                          if any(n.startswith("nextn.") for n in names))
+    trunk = sorted(b for b in blocks if b not in nextn_blocks)
+    return {"arch": arch, "md": md, "blocks": blocks, "types": types,
+            "nextn_blocks": nextn_blocks, "trunk_blocks": trunk}
+
+
+def _gguf_checks(path: Path, engines: list[str]) -> Report:
+    f = gguf_facts(path)
+    arch, md = f["arch"], f["md"]
+    rep = Report(str(path), "gguf", arch, engines)
+    block_count = md.get(f"{arch}.block_count")
+    nextn_key = f"{arch}.nextn_predict_layers"
+    nextn = md.get(nextn_key)
+    nb, trunk = f["nextn_blocks"], f["trunk_blocks"]
+    n_trunk = (max(trunk) + 1) if trunk else 0
+    rep.facts.update({"block_count": block_count, nextn_key: nextn,
+                      "nextn_blocks": nb, "trunk_blocks": n_trunk})
+    if not md.get("tokenizer.ggml.tokens"):
+        rep.add(Finding(
+            "gguf-tokenizer-missing", "error",
+            f"{path.name} has no tokenizer (tokenizer.ggml.tokens)",
+            "llama.cpp and mtpkit read the tokenizer from the GGUF metadata; without it the "
+            "model cannot be run", "convert again with the tokenizer (llama.cpp's "
+            "convert_hf_to_gguf.py reads it from the HF folder)", engines, "tokenizer"))
+    if nb:
+        k = len(nb)
+        if not nextn:
+            rep.add(Finding(
+                "gguf-nextn-key-missing", "error",
+                f"blk.{{{_few(nb)}}}.nextn.* tensors are present but {nextn_key} is "
+                f"{'absent' if nextn is None else nextn}",
+                "llama.cpp builds MTP layers from this key; without it the nextn blocks are "
+                "read as trunk layers (or rejected) and nothing is drafted",
+                fix_config_cmd(path), engines, nextn_key))
+        if nb != list(range(n_trunk, n_trunk + k)):
+            rep.add(Finding(
+                "gguf-block-count", "error",
+                f"nextn blocks are {nb} but the trunk has {n_trunk} blocks; MTP blocks must "
+                f"follow the trunk as blk.{n_trunk}..{n_trunk + k - 1}",
+                "llama.cpp puts the MTP layers at n_layer..block_count-1", graft_cmd(path),
+                engines, "blk.N.nextn"))
+        elif block_count != n_trunk + k:
+            rep.add(Finding(
+                "gguf-block-count", "error",
+                f"{arch}.block_count is {block_count} but the file holds {n_trunk} trunk "
+                f"blocks and {k} nextn block(s): it must be {n_trunk + k}",
+                "llama.cpp counts the MTP layers in block_count (n_layer = block_count - "
+                "nextn_predict_layers); a wrong count shifts every layer",
+                fix_config_cmd(path), engines, f"{arch}.block_count"))
+        elif nextn and int(nextn) != k:
+            rep.add(Finding(
+                "mtp-config-mismatch", "error",
+                f"{nextn_key}={nextn} but {k} nextn block(s) are stored",
+                "llama.cpp derives the trunk depth from it", fix_config_cmd(path), engines,
+                nextn_key))
+        _gguf_precision(rep, path, f)
+    else:
+        if nextn:
+            rep.add(Finding(
+                "gguf-nextn-tensors-missing", "error",
+                f"{nextn_key}={nextn} but no blk.N.nextn.* tensors are stored",
+                "llama.cpp expects the MTP layers' tensors and fails to load, or drafts from "
+                "nothing", graft_cmd(path), engines, "blk.N.nextn"))
+        elif arch in GGUF_NATIVE_MTP:
+            rep.add(Finding(
+                "mtp-missing", "error",
+                f"no nextn (MTP) tensors in {path.name}; {arch} releases ship an MTP head",
+                "the converter or quantizer dropped the MTP layers: llama.cpp cannot "
+                "speculate with them",
+                graft_cmd(path).replace("<the BF16 release with its MTP head>",
+                                        "<a GGUF or HF release with the MTP head>"),
+                engines, "blk.N.nextn"))
+        else:
+            rep.add(Finding("mtp-none", "info", f"{path.name} has no MTP (nextn) layers",
+                            "", "", engines, "blk.N.nextn"))
+    if "mtpkit" in engines:
+        from ..checkpoint.gguf import _ARCHS
+
+        if arch not in _ARCHS:
+            rep.add(Finding(
+                "unknown-model-type", "info",
+                f"mtpkit does not read GGUF architecture {arch!r}", "", "", ["mtpkit"], arch))
+    return rep
+
+
+def _gguf_precision(rep, path: Path, f) -> None:
+    import gguf
+
+    low = []
+    for b in f["nextn_blocks"]:
+        for base in sorted(f["blocks"][b]):
+            name = f"blk.{b}.{base}"
+            qname = f["types"].get(name)
+            if qname is None or not base.endswith("weight"):
+                continue
+            qt = gguf.GGMLQuantizationType[qname]
+            block, size = gguf.GGML_QUANT_SIZES[qt]
+            if size * 8 / block <= 4.6:  # Q4_0 is 4.5 bits per weight, Q4_K 4.5
+                low.append(f"{name} ({qname})")
+    if low:
+        rep.add(Finding(
+            "int4-mtp-head", "warning",
+            f"{len(low)} MTP tensors are stored at about 4 bits or less: {_few(low)}",
+            "a 4-bit draft head loses most of its acceptance; it is small, so Q8_0 or BF16 "
+            "costs little",
+            f"mtpkit graft --from <a Q8_0/BF16 GGUF with the head> --into {path} --out "
+            f"{_out_name(path, 'mtp')} --mtp-precision keep", subject="blk.N.nextn"))
