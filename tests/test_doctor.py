@@ -164,9 +164,14 @@ IGNORE_CASES = [
     ("mtp.layers.0.self_attn.q_proj", QKV, "qwen3_5", "sglang", None, Q),
     ("mtp.layers.0.self_attn.q_proj", ["mtp.layers.0.self_attn.qkv_proj"], "qwen3_5", "sglang",
      None, IG),
-    # SGLang builds the DeepSeek MTP block as model.decoder
+    # SGLang builds the DeepSeek MTP block as model.decoder and renames exact entries alike
     ("model.layers.61.mlp.down_proj", ["model.layers.61.mlp.down_proj"], "deepseek_v3",
-     "sglang", DS, Q),
+     "sglang", DS, IG),
+    ("model.layers.61.mlp.down_proj", [r"re:model\.layers\.61\..*"], "deepseek_v3", "sglang",
+     DS, Q),
+    # routers and the vision patch embedding are never quantized
+    ("model.layers.3.mlp.gate", [], "deepseek_v3", "vllm", None, NQ),
+    ("mtp.layers.0.mlp.shared_expert_gate", [], "qwen3_5_moe", "vllm", None, NQ),
     ("model.layers.61.mlp.down_proj", ["model.decoder.mlp.down_proj"], "deepseek_v3", "sglang",
      DS, IG),
 ]

@@ -22,12 +22,15 @@ mappers) and vLLM's compressed-tensors ignore matching:
   matching, but never ``re:`` patterns; the MTP draft model has no such map;
 - vLLM builds one fused-MoE module per layer (``...mlp.experts``); per-expert entries count as
   its shards (every expert's gate/up/down must be listed);
-- modules vLLM builds as plain ``nn.Linear`` or embeddings are never quantized: DeepSeek/GLM
-  ``eh_proj``, MiMo ``input_proj``, ``lm_head``/``shared_head.head``, ``embed_tokens``.
+- modules vLLM builds as plain ``nn.Linear``, routers (``GateLinear``, no quantization
+  config), convolutions or embeddings are never quantized: DeepSeek/GLM ``eh_proj``, MiMo
+  ``input_proj``, ``mlp.gate``, ``shared_expert_gate``, ``lm_head``/``shared_head.head``,
+  ``embed_tokens``, a vision ``patch_embed``.
 
 Engines: ``vllm``, ``sglang`` (vLLM's rules with its own names: DeepSeek MLA
-``fused_qkv_a_proj_with_mqa``, the DeepSeek/GLM MTP block built as ``model.decoder.*``, and a
-Qwen3.5 MTP class without a packed-modules mapping, sglang#35797), and ``mtpkit`` /
+``fused_qkv_a_proj_with_mqa``, the DeepSeek/GLM MTP block built as ``model.decoder.*`` with
+exact ignore entries renamed the same way as its weights, and a Qwen3.5 MTP class without a
+packed-modules mapping, sglang#35797), and ``mtpkit`` /
 ``transformers`` (no fusion: on-disk names, compressed-tensors matching). llama.cpp reads GGUF
 and has no ignore list.
 """
@@ -84,6 +87,7 @@ class RuntimeModule:
     shards: tuple[str, ...] = ()  # names whose ignore decisions combine (empty: not fused)
     quantizable: bool = True  # False: the engine never quantizes it
     mtp: bool = False  # part of the MTP draft model (matched without the trunk's name map)
+    fused: bool = False  # built from several on-disk modules (shards)
 
 
 # -- families --------------------------------------------------------------------------------
@@ -236,7 +240,7 @@ def describe(
         experts = range(count) if count else [int(m[2])]
         shards = tuple(f"{base}.{e}.{p}" for e in experts for p in ("gate_proj", "up_proj",
                                                                       "down_proj"))
-        return RuntimeModule(base, shards, True, mtp)
+        return RuntimeModule(base, shards, True, mtp, fused=True)
     if name.endswith(".experts"):
         return RuntimeModule(name, (), True, mtp)
 
@@ -247,15 +251,18 @@ def describe(
             if engine == "sglang" and mtp and mt in _QWEN35:
                 # SGLang's Qwen3.5 MTP class declares no packed-modules mapping (sglang#35797):
                 # only the fused name itself can exclude the module.
-                return RuntimeModule(runtime, (), True, mtp)
+                return RuntimeModule(runtime, (), True, mtp, fused=True)
             shards = tuple(f"{prefix}.{s}" if prefix else s for s in shard_leaves)
-            return RuntimeModule(runtime, shards, True, mtp)
+            return RuntimeModule(runtime, shards, True, mtp, fused=True)
     return RuntimeModule(name, (), True, mtp)
 
 
 def _quantizable_leaf(name: str) -> bool:
     leaf = name.rsplit(".", 1)[-1]
     if leaf in _NEVER_QUANTIZED_LEAVES or leaf.endswith("norm") or leaf.endswith("layernorm"):
+        return False
+    # MoE routers are GateLinear / unquantized linears; patch embeddings are convolutions.
+    if name.endswith(".mlp.gate") or leaf == "shared_expert_gate" or "patch_embed" in name:
         return False
     # vLLM builds the gated-delta conv1d as a linear layer without a quantization config.
     return leaf not in ("conv1d", "A_log", "dt_bias")
@@ -289,11 +296,28 @@ def entry_matches(entry: str, name: str) -> bool:
 
 
 def map_ignore_entries(
-    ignore: Iterable[str], model_type: str | None, engine: str = "vllm", *, mtp: bool = False
+    ignore: Iterable[str],
+    model_type: str | None,
+    engine: str = "vllm",
+    *,
+    mtp: bool = False,
+    config: dict | None = None,
 ) -> list[str]:
-    """The ignore list as the engine holds it after its HF -> engine name map (vLLM VLMs)."""
+    """The ignore list as the engine holds it after its HF -> engine name map (vLLM VLMs;
+    SGLang's DeepSeek/GLM MTP layer, renamed model.decoder like its weights)."""
     ignore = list(ignore)
-    if engine != "vllm" or mtp or (model_type or "") not in _VLM_MAPPED:
+    mt = model_type or ""
+    n_layer = _num_layers(config)
+    if engine == "sglang" and mtp and (mt in _DEEPSEEK or mt in _GLM) and n_layer is not None:
+        out = []
+        for entry in ignore:
+            m = re.match(r"model\.layers\.(\d+)\.(.+)$", entry)
+            if m and int(m[1]) >= n_layer and not entry.startswith("re:"):
+                own = m[2].split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head")
+                entry = f"model.{m[2]}" if own else f"model.decoder.{m[2]}"
+            out.append(entry)
+        return out
+    if engine != "vllm" or mtp or mt not in _VLM_MAPPED:
         return ignore
     out = []
     for entry in ignore:
@@ -324,7 +348,7 @@ def ignore_status(
     rt = describe(disk_module, model_type, engine, config=config)
     if not rt.quantizable:
         return IgnoreStatus.NOT_QUANTIZABLE
-    entries = map_ignore_entries(ignore, model_type, engine, mtp=rt.mtp)
+    entries = map_ignore_entries(ignore, model_type, engine, mtp=rt.mtp, config=config)
     if engine not in _FUSING:
         # compressed-tensors' own matching: names, regexes and class names ("Linear" is every
         # linear layer; the modules asked about here are linear layers).

@@ -366,9 +366,8 @@ def _check_ct_modules(rep, lay: HFLayout, engine: str) -> None:
         elif status == IgnoreStatus.QUANTIZED and mod.fmt == "float":
             if not _ct_targeted(lay, mod.name, rt.name):
                 continue  # no config group targets it: the engine leaves it unquantized
-            if engine == "sglang" and rt.mtp and not rt.shards and rt.name != mod.name and \
-                    ignore_status(mod.name, ignore, mt, "vllm", config=lay.raw) == \
-                    IgnoreStatus.IGNORED:
+            if rt.fused and not rt.shards and ignore_status(
+                    mod.name, ignore, mt, "vllm", config=lay.raw) == IgnoreStatus.IGNORED:
                 fused_only.append(f"{mod.name} -> {rt.name}")
             else:
                 not_ignored.setdefault(_mtp_code(lay, mod.name), []).append(
@@ -455,6 +454,17 @@ def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]
         exact |= parents
         regex_ok |= parents
     disk = set(lay.modules)
+    # Names other engines build: an exact entry written for another engine (the ignore list
+    # serves vLLM, SGLang and transformers at once) is not dead.
+    elsewhere: set[str] = set(disk)
+    for other in _FUSING:
+        for mod in lay.modules.values():
+            try:
+                rt = describe(mod.name, mt, other, config=lay.raw)
+            except ValueError:
+                continue
+            elsewhere.add(rt.name)
+            elsewhere.update(rt.shards)
     out = []
     for entry in ignore:
         if entry.startswith("re:"):
@@ -480,11 +490,14 @@ def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]
                         f"ignore entry {entry!r} is a class name; {engine} does not match "
                         "class names in ignore (compressed-tensors does)", ""))
             continue
-        mapped = map_ignore_entries([entry], mt, engine, mtp=entry.startswith("mtp."))[0]
+        mapped = map_ignore_entries([entry], mt, engine, config=lay.raw,
+                                    mtp=is_mtp_tensor(entry + ".w", lay.n_layer))[0]
         if mapped in exact or entry in exact:
             continue
         if "." not in entry and entry in leaves_nq:
             continue  # e.g. "lm_head": never quantized by the engine anyway
+        if entry in elsewhere and entry not in disk:
+            continue  # another engine's name for a module that exists
         hint = ""
         if entry in disk:
             # An on-disk name serves llm-compressor / transformers; it is only a problem for

@@ -275,7 +275,7 @@ def _flagged_fused(lay: HFLayout, ignore, engine) -> set[str]:
         if not m.linear:
             continue
         rt = describe(m.name, mt, engine, config=lay.raw)
-        if rt.mtp and not rt.shards and rt.name != m.name and \
+        if rt.fused and not rt.shards and \
                 ignore_status(m.name, ignore, mt, engine, config=lay.raw) == IgnoreStatus.QUANTIZED:
             out.add(rt.name)
     return out
