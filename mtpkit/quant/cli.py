@@ -23,6 +23,12 @@ def add_parser(sub) -> None:
     p.add_argument("--mtp", choices=["keep", "same", "w8a16"], default="keep",
                    help="MTP head precision: keep as stored (default; BF16 heads keep their "
                         "acceptance), same as the trunk, or int8")
+    p.add_argument("--method", choices=["rtn", "gptq"], default="rtn",
+                   help="rtn: round to nearest (default); gptq: error-compensated rounding "
+                        "fitted on --calib-data")
+    p.add_argument("--calib-data", nargs="+", help="--method gptq: text files, folders or JSONL")
+    p.add_argument("--calib-tokens", type=int, default=8192,
+                   help="--method gptq: calibration tokens (default 8192)")
     p.add_argument("--format", choices=["compressed-tensors", "gguf"],
                    default="compressed-tensors")
     p.add_argument("--gguf-type", choices=["Q8_0", "Q4_0", "Q4_K"], default="Q8_0",
@@ -55,7 +61,10 @@ def run(a) -> int:
     if group is None:
         group = 128 if a.scheme == "w4a16" else 0
     scheme = Scheme(a.scheme, group or None, symmetric=not a.asymmetric)
-    rep = quantize_checkpoint(model, a.out, scheme, mtp=a.mtp, head=a.head, force=a.force)
+    rep = quantize_checkpoint(model, a.out, scheme, mtp=a.mtp, head=a.head, force=a.force,
+                              method=a.method, calib_data=a.calib_data,
+                              calib_tokens=a.calib_tokens,
+                              log=lambda s: print(s, file=sys.stderr) if "GPTQ" in s else None)
     print(f"wrote {rep.out}: {len(rep.quantized)} modules {a.scheme}"
           f"{f' g{group}' if group else ''}, {len(rep.kept)} kept unquantized "
           f"({len(rep.ignore)} ignore entries); {rep.bytes_in / 1e6:.1f} MB -> "

@@ -10,6 +10,7 @@ llama.cpp loads: MTP layers under ``blk.N.nextn.*`` with ``block_count`` and
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -55,6 +56,9 @@ def quantize_checkpoint(
     head: str | os.PathLike | None = None,
     force: bool = False,
     log: Callable[[str], None] = lambda s: None,
+    method: str = "rtn",
+    calib_data: list[str] | None = None,
+    calib_tokens: int = 8192,
 ) -> QuantizeReport:
     """Write ``model`` quantized with ``scheme`` as a compressed-tensors folder at ``out``;
     ``head`` (a `mtpkit calibrate` folder) is merged in as the checkpoint's own ``mtp.*``."""
@@ -71,6 +75,12 @@ def quantize_checkpoint(
         from ..train.heads import WithHead
 
         ckpt = WithHead(ckpt, head)
+    if method not in ("rtn", "gptq"):
+        raise ValueError(f"--method must be rtn or gptq, got {method!r}")
+    if method == "gptq" and not calib_data:
+        raise ValueError("--method gptq needs calibration text: pass --calib-data FILES")
+    if method == "gptq" and scheme.name == "fp8":
+        raise ValueError("--method gptq applies to the int schemes (w4a16, w8a16), not fp8")
     layout = _Layout(ckpt)
     mtp_scheme = {"keep": None, "same": scheme, "w8a16": Scheme("w8a16")}[mtp]
     report = QuantizeReport(dst)
@@ -78,6 +88,9 @@ def quantize_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         plan = _plan(ckpt, layout, scheme, mtp_scheme)
+        hessians = {}
+        if method == "gptq":
+            hessians = _hessians(src, head, layout, plan, calib_data, calib_tokens, log)
         shards = _ShardWriter(tmp)
         groups: dict[str, list[str]] = {}
         for name in ckpt.tensor_names():
@@ -90,7 +103,14 @@ def quantize_checkpoint(
                     report.kept.append(prefix)
                 shards.add(name, tensor)
                 continue
-            for suffix, t in quantize_weight(tensor, use).items():
+            if prefix in hessians and use.name != "fp8":
+                from .gptq import gptq_codes, pack_codes
+
+                codes, scales, zeros = gptq_codes(tensor, hessians.pop(prefix), use)
+                packed = pack_codes(codes, scales, zeros, use, tensor.dtype)
+            else:
+                packed = quantize_weight(tensor, use)
+            for suffix, t in packed.items():
                 shards.add(f"{prefix}.{suffix}", t)
             report.quantized.append(prefix)
             groups.setdefault(use.name, []).append(prefix)
@@ -201,6 +221,34 @@ def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None) -> d
             for m in members:
                 plan[m] = None
     return plan
+
+
+def _hessians(src, head, layout: _Layout, plan: dict, files, tokens: int, log) -> dict:
+    """Input statistics of every trunk Linear GPTQ will quantize, from the float model."""
+    from ..engine.loader import load_model
+    from ..train.data import iter_chunks, list_files
+    from .gptq import collect_hessians
+
+    loaded = load_model(src, head=head)
+    model = loaded.model
+    if loaded.tokenizer is None:
+        raise ValueError(f"{src}: --method gptq needs the checkpoint's tokenizer")
+    seq = 256
+    chunks = iter_chunks(loaded.tokenizer, [str(f) for f in list_files(files)], seq)
+    batches = [torch.tensor([c]) for c in itertools.islice(chunks, max(1, tokens // seq))]
+    if not batches:
+        raise ValueError("--calib-data yielded no text")
+    # Model module path -> on-disk prefix, for the modules the plan quantizes (trunk only:
+    # the head's inputs come from a separate pass; its modules use round-to-nearest).
+    wanted = {}
+    for prefix, use in plan.items():
+        mapped = layout.model.map_checkpoint_name(prefix + ".weight")
+        if use is not None and mapped and not mapped.startswith("mtp."):
+            wanted[mapped[: -len(".weight")]] = prefix
+    modules = {p: model.get_submodule(p) for p in wanted}
+    log(f"GPTQ: collecting input statistics over {len(batches) * seq} tokens")
+    stats = collect_hessians(model, batches, modules)
+    return {wanted[p]: h for p, h in stats.items()}
 
 
 def _ignore_list(kept: list[str], layout: _Layout) -> list[str]:
