@@ -291,6 +291,9 @@ class Fixtures:
                 self.get("w4a16-healthy"), out,
                 lambda t: {k: v for k, v in t.items()
                            if k != "model.language_model.layers.1.mlp.down_proj.weight_scale"}),
+            "w4a16-quantized-ignored": lambda: broken.edit_config(
+                self.get("w4a16-healthy"), out, lambda c: c["quantization_config"]["ignore"]
+                .append("model.language_model.layers.1.mlp.down_proj")),
             "partial-head": lambda: broken.edit_tensors(
                 src, out, lambda t: {k: v for k, v in t.items() if k != "mtp.fc.weight"}),
             "wrong-shape-head": lambda: broken.edit_tensors(
@@ -390,6 +393,8 @@ CASES = [
     ("w4a16-ignore-regex", "ignore-regex-no-match",
      lambda fx, b, o: ["fix-config", b, "--out", o], "w4a16-healthy"),
     ("w4a16-ignore-partial", "ignore-shard-conflict",
+     lambda fx, b, o: ["fix-config", b, "--out", o], "w4a16-healthy"),
+    ("w4a16-quantized-ignored", "quantized-but-ignored",
      lambda fx, b, o: ["fix-config", b, "--out", o], "w4a16-healthy"),
     ("partial-head", "mtp-incomplete",
      lambda fx, b, o: ["graft", "--from", fx.source("qwen3_5_vlm"), "--into", b, "--out", o],
