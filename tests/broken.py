@@ -296,6 +296,39 @@ def w4a16(src: Path, out: Path, mtp: str = "bf16-unlisted", ignore_style: str = 
     return out
 
 
+def fake_gptq(src: Path, out: Path, method: str = "gptq") -> Path:
+    """A GPTQ or AWQ release whose trunk linears are packed 4-bit tensors (zero codes: for
+    static checks only) and whose MTP head stays BF16, as AutoGPTQ / AutoAWQ exports leave it
+    when the head is grafted back without telling the config."""
+    copy(src, out)
+    cfg = config(out)
+    n = n_layers(cfg)
+    tensors = read_all(out)
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    new = {}
+    for k, v in tensors.items():
+        if _quantizable(k) and _fits(v) and not is_mtp_tensor(k, n):
+            mod = k[: -len(".weight")]
+            o, i = v.shape
+            if method == "gptq":
+                new[f"{mod}.qweight"] = torch.zeros(i // 8, o, dtype=torch.int32)
+                new[f"{mod}.g_idx"] = torch.arange(i, dtype=torch.int32) // GROUP
+            else:
+                new[f"{mod}.qweight"] = torch.zeros(i, o // 8, dtype=torch.int32)
+            new[f"{mod}.qzeros"] = torch.zeros(i // GROUP, o // 8, dtype=torch.int32)
+            new[f"{mod}.scales"] = torch.ones(i // GROUP, o, dtype=torch.float16)
+        else:
+            new[k] = v
+    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
+    q = {"quant_method": method, "bits": 4, "group_size": GROUP}
+    q.update({"desc_act": False, "sym": True} if method == "gptq" else
+             {"zero_point": True, "modules_to_not_convert": ["visual"]})
+    cfg["quantization_config"] = q
+    write_config(out, cfg)
+    return out
+
+
 # -- GGUF -----------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import broken
 import pytest
+import torch
 
 from mtpkit.checkpoint.runtime_names import (
     IgnoreStatus,
@@ -294,6 +295,11 @@ class Fixtures:
             "w4a16-quantized-ignored": lambda: broken.edit_config(
                 self.get("w4a16-healthy"), out, lambda c: c["quantization_config"]["ignore"]
                 .append("model.language_model.layers.1.mlp.down_proj")),
+            "gptq-mtp-bf16": lambda: broken.fake_gptq(src, out, "gptq"),
+            "awq-mtp-bf16": lambda: broken.fake_gptq(src, out, "awq"),
+            "fp8-without-scale": lambda: broken.edit_tensors(
+                src, out, lambda t: {k: (v.to(torch.float8_e4m3fn) if k == "mtp.fc.weight"
+                                         else v) for k, v in t.items()}),
             "partial-head": lambda: broken.edit_tensors(
                 src, out, lambda t: {k: v for k, v in t.items() if k != "mtp.fc.weight"}),
             "wrong-shape-head": lambda: broken.edit_tensors(
@@ -455,6 +461,28 @@ def test_doctor_names_cause(fx, capsys, name, code):
         pytest.skip("mtpkit.quant is not importable yet")
     status, rep, _ = run_cli(capsys, "doctor", str(fx.get(name)))
     assert status == 2 and code in codes(rep), rep["findings"]
+
+
+@pytest.mark.parametrize("name", ["gptq-mtp-bf16", "awq-mtp-bf16"])
+def test_gptq_awq_skip_lists(fx, capsys, tmp_path, name):
+    """GPTQ (dynamic '-:' patterns) and AWQ (modules_to_not_convert) keep modules unquantized
+    in vLLM by other rules than compressed-tensors; fix-config writes them."""
+    bad = fx.get(name)
+    status, rep, _ = run_cli(capsys, "doctor", str(bad), "--engine", "vllm")
+    assert status == 2 and "mtp-unquantized-not-ignored" in codes(rep), rep["findings"]
+    out = tmp_path / "fixed"
+    status, rep, err = run_cli(capsys, "fix-config", str(bad), "--out", str(out))
+    assert status == 0, (err, rep["findings"])
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    if name.startswith("gptq"):
+        assert any(k.startswith("-:mtp") for k in q["dynamic"])
+    else:
+        assert "mtp.fc" in q["modules_to_not_convert"]
+
+
+def test_fp8_weight_without_scale_is_a_dtype_error(fx, capsys):
+    status, rep, _ = run_cli(capsys, "doctor", str(fx.get("fp8-without-scale")))
+    assert status == 2 and "dtype-unexpected" in codes(rep), rep["findings"]
 
 
 def _gguf_keys(path: Path) -> list[str]:

@@ -108,6 +108,7 @@ def _hf_checks(path: Path, engines: list[str]) -> Report:
     if lay.quant_config:
         _check_quantization(rep, lay, engines)
     _check_mtp_precision(rep, lay)
+    _check_dtypes(rep, lay)
     return rep
 
 
@@ -291,6 +292,31 @@ def _check_mtp_precision(rep, lay: HFLayout) -> None:
             "vllm-mlx #471); the head is small, so BF16 costs little",
             f"{graft_cmd(lay.path)} --mtp-precision keep   (or recalibrate: mtpkit "
             f"calibrate --model {lay.path} --init head)", subject="mtp.*"))
+
+
+# Storage dtypes each quantized format's tensors must have (safetensors dtype names).
+_INT_PARTS = {"weight_packed": {"I32"}, "weight_shape": {"I32", "I64"}, "qweight": {"I32"},
+              "qzeros": {"I32"}, "g_idx": {"I32", "I64"}, "weight_g_idx": {"I32", "I64"}}
+_FLOATS = {"F32", "F16", "BF16", "F64"}
+
+
+def _check_dtypes(rep, lay: HFLayout) -> None:
+    bad = []
+    for mod in lay.modules.values():
+        for suffix, tname in mod.params.items():
+            dt = lay.dtypes[tname]
+            if mod.fmt == "float" and suffix in ("weight", "bias") and dt not in _FLOATS:
+                bad.append((tname, dt, "a float tensor (no scale stored beside it)"))
+            elif suffix in _INT_PARTS and dt not in _INT_PARTS[suffix]:
+                bad.append((tname, dt, "/".join(sorted(_INT_PARTS[suffix]))))
+            elif suffix in ("weight_scale", "scales", "weight_scale_inv") and dt not in _FLOATS:
+                bad.append((tname, dt, "a float scale"))
+    for tname, dt, want in bad:
+        rep.add(Finding(
+            "dtype-unexpected", "error", f"{tname} is stored as {dt}; its format needs {want}",
+            "engines read the raw values as the wrong type (e.g. FP8 or int8 codes without "
+            "their scale): the module computes garbage",
+            "re-export the module, or " + graft_cmd(lay.path), subject=tname))
 
 
 # -- quantization --------------------------------------------------------------------------
