@@ -175,3 +175,50 @@ def test_draft_vocab_subset_is_lossless(setup, trained):
     sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True)
     list(sub.generate(prompt, sampled, 3))
     assert drafts and set(drafts) <= set(subset)
+
+
+@pytest.mark.parametrize("quantize", [None, "w4a16"])
+def test_recalibrating_a_native_head_keeps_the_checkpoint_layout(checkpoint_factory, tmp_path,
+                                                                quantize):
+    """--init head on a checkpoint with its own head (Qwen3.5 VLM layout, optionally W4A16
+    with the head in BF16) writes that checkpoint back with the new head: same tensor names
+    and format, a doctor-healthy result, and a head that differs from the old one."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from mtpkit.doctor.checks import diagnose
+
+    src = tmp_path / "src"
+    shutil.copytree(checkpoint_factory("qwen3_5_vlm"), src)
+    write_char_tokenizer(src)
+    if quantize:
+        assert main(["quantize", "--model", str(src), "--out", str(tmp_path / "q"),
+                     "--scheme", quantize, "--group-size", "32"]) == 0
+        src = tmp_path / "q"
+    data = tmp_path / "data.txt"
+    data.write_text(inspect.getsource(inspect) * 2)
+    out = tmp_path / "recal"
+    run(CalibrateConfig(model=str(src), data=[str(data)], out=str(out), init="head",
+                        seq_len=32, batch_size=2, steps=3, heldout_fraction=0.0,
+                        checkpoint_every=0), progress="off")
+
+    def names(folder):
+        got = {}
+        for f in folder.glob("*.safetensors"):
+            with safe_open(str(f), framework="pt") as h:
+                got.update({k: h.get_tensor(k) for k in h.keys()})
+        return got
+
+    before, after = names(src), names(out)
+    assert set(before) == set(after)
+    mtp = [k for k in after if k.startswith("mtp.")]
+    assert mtp and any(not torch.equal(before[k], after[k]) for k in mtp)
+    assert all(torch.equal(before[k], after[k]) for k in after if not k.startswith("mtp."))
+    cfg_in = json.loads((src / "config.json").read_text())
+    cfg_out = json.loads((out / "config.json").read_text())
+    assert cfg_out.get("quantization_config", {}).get("format") == cfg_in.get(
+        "quantization_config", {}).get("format")
+    assert diagnose(out).exit_code == 0
+    loaded = _quiet_load(out, tokenizer=False)
+    assert loaded.model.mtp is not None

@@ -128,6 +128,7 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
     train_files = list(split.train)
     random.Random(cfg.seed).shuffle(train_files)
     new = cfg.init == "scratch" and cfg.head is None
+    native = cfg.init == "head" and cfg.head is None  # recalibrating the checkpoint's own head
     loaded = load_model(cfg.model, device=cfg.device, dtype="float32",
                         head=cfg.head, new_head_layers=1 if new else 0)
     model, tok = loaded.model, loaded.tokenizer
@@ -223,7 +224,18 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
             "data": cfg.split,
         }
         vocab = top_tokens(counts, cfg.draft_vocab) if cfg.draft_vocab else None
-        save_head(head, out, summary, vocab)
+        if native:
+            # The head lives in the checkpoint (a native MTP release, or a quantized one
+            # written by `mtpkit quantize --head`): the result is that checkpoint with the
+            # new head, in its own layout and format, checked by doctor.
+            from .export import write_with_head
+
+            result = write_with_head(model, cfg.model, out, vocab)
+            summary["doctor"] = result.report.as_dict() if result.report else None
+            (out / "mtpkit_calibration.json").write_text(
+                json.dumps(summary, indent=2, default=str))
+        else:
+            save_head(head, out, summary, vocab)
     return head
 
 
