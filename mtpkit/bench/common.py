@@ -1,0 +1,140 @@
+"""Shared pieces: list parsing, summary statistics, atomic writes, memory bandwidth."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+
+
+def parse_int_list(text: str, option: str, minimum: int = 0, maximum: int = 64) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]; ValueError naming the option for anything else."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise ValueError(f"{option} needs a comma-separated list of integers, got {text!r}")
+    out: list[int] = []
+    for p in parts:
+        try:
+            v = int(p)
+        except ValueError:
+            raise ValueError(
+                f"{option}: {p!r} is not an integer (expected e.g. {option} 0,1,2,3)"
+            ) from None
+        if not minimum <= v <= maximum:
+            raise ValueError(f"{option}: {v} is outside {minimum}..{maximum}")
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def summarize(values: Sequence[float]) -> dict:
+    """mean, median, p90, p99 (linear interpolation, as numpy), min, max and count."""
+    import numpy as np
+
+    if not len(values):
+        return {"n": 0, "mean": None, "median": None, "p90": None, "p99": None,
+                "min": None, "max": None}
+    a = np.asarray(values, dtype=float)
+    return {"n": int(a.size), "mean": float(a.mean()), "median": float(np.median(a)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)),
+            "min": float(a.min()), "max": float(a.max())}
+
+
+def default_out_dir(kind: str) -> Path:
+    """A fresh results folder under the current directory, named by kind and time."""
+    return Path("mtpkit-bench") / f"{kind}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def _atomic_bytes(path: Path, data: bytes) -> None:
+    # Readers (and a crash) see the old file or the whole new one, never a torn write.
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a text file atomically (temp file in the same folder, then rename)."""
+    _atomic_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: Path, data) -> None:
+    """Write JSON atomically."""
+    write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_csv(path: Path, rows: Iterable[dict], fields: Sequence[str]) -> None:
+    """Write dict rows as CSV atomically; lists are joined with ';'."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(fields), extrasaction="ignore")
+    w.writeheader()
+    for row in rows:
+        w.writerow({k: ";".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in v)
+                    if isinstance(v, list | tuple) else v for k, v in row.items()})
+    write_text(path, buf.getvalue())
+
+
+def save_figure(fig, path: Path) -> None:
+    """Save a matplotlib Figure as PNG atomically."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    _atomic_bytes(path, buf.getvalue())
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Memory copy bandwidth in GB/s (bytes read + bytes written), best of ``repeats``.
+
+    A plain torch copy of a buffer far larger than the caches: the same streaming that a
+    one-token decode step does over the weights, with the threads torch uses for decoding."""
+    import torch
+
+    n = megabytes * (1 << 20) // 4
+    src = torch.ones(n, dtype=torch.float32)  # ones, not empty: the pages must be touched
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best / 1e9
+
+
+def weight_bytes(model) -> dict:
+    """Bytes of weights one decode step streams: the trunk's, and one MTP draft step's.
+
+    The embedding table is gathered (one row a token), so it counts only when the lm_head
+    reads it as its own weight (tied embeddings). The head's own modules count per draft
+    step; its logits read the full lm_head, or only the draft-vocabulary rows (added by the
+    caller, who knows the drafter)."""
+    embed = model.model.embed_tokens.weight
+    head_ids = {id(p) for p in model.mtp.parameters()} if model.mtp is not None else set()
+    seen: set[int] = set()
+    trunk = head = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        size = p.numel() * p.element_size()
+        if p is embed and p is not model.lm_head.weight:
+            continue
+        if id(p) in head_ids:
+            if p is not embed and p is not model.lm_head.weight:
+                head += size
+        else:
+            trunk += size
+    lm = model.lm_head.weight
+    return {"trunk": trunk, "head": head, "lm_head": lm.numel() * lm.element_size(),
+            "lm_head_row": lm.shape[1] * lm.element_size()}
