@@ -129,7 +129,7 @@ def generate_eval(
         plain_s += runs[0][1]
         spec_s += runs[k][1]
     d = total.as_dict()
-    d.update({"mode": "generate", "num_draft_tokens": k, "identical_to_no_mtp": identical,
+    d.update({"mode": "generate", "k": k, "identical_to_no_mtp": identical,
               "speedup": plain_s / spec_s if spec_s else None,
               "seconds_without_mtp": plain_s, "seconds_with_mtp": spec_s})
     return d
