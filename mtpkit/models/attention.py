@@ -10,6 +10,9 @@ from ..quant.linear import dtype_device
 from .cache import KVCache
 from .layers import RMSNorm, Rotary
 
+# Forward passes of up to this many tokens over a cache are verification steps.
+VERIFY_ROWS = 16
+
 
 def causal_mask(start: int, t: int, device: torch.device) -> torch.Tensor | None:
     """Boolean mask [t, start+t] letting query i see keys 0..start+i; None when t == 1."""
@@ -86,7 +89,17 @@ class Attention(nn.Module):
         causal = causal_mask(start, t, x.device)
         if mask is not None:
             causal = mask[None, :] if causal is None else causal & mask[None, :]
-        out = sdpa(q, k, v, causal)
+        if cache is not None and 1 < t <= VERIFY_ROWS and mask is None:
+            # A verification pass: each query row attends exactly as the one-token decode
+            # step at its position would (same kernel, same key span, no mask), so the
+            # accepted tokens' states match plain decoding bit for bit wherever the
+            # projections are row-independent (the packed int kernels are); one batched
+            # masked call rounds differently and, through bf16 activations, can flip a
+            # near-tie between the two runs.
+            out = torch.cat([sdpa(q[:, :, j : j + 1], k[:, :, : start + j + 1],
+                                  v[:, :, : start + j + 1], None) for j in range(t)], dim=2)
+        else:
+            out = sdpa(q, k, v, causal)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
