@@ -1,0 +1,64 @@
+"""The `mtpkit serve` subcommand; the server's machinery is imported only when it runs."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    """Register `mtpkit serve`."""
+    p = sub.add_parser(
+        "serve",
+        help="serve a model through an OpenAI-compatible HTTP API with MTP",
+        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics) with MTP speculative decoding and "
+                    "interleaved scheduling of concurrent requests.",
+    )
+    p.add_argument("--model", help="checkpoint folder or .gguf file (default: the built-in model)")
+    p.add_argument("--head", help="an MTP head folder (from `mtpkit calibrate`) to use")
+    p.add_argument("--served-model-name",
+                   help="the name clients send as 'model' (default: the --model argument)")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=3,
+                   help="draft tokens per step (default 3; 0 = no speculation)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-num-seqs", type=int, default=8,
+                   help="requests decoded concurrently (engine slots, default 8)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests allowed to wait for a slot; more get 429 (default 256)")
+    p.add_argument("--max-model-len", type=int,
+                   help="context limit, prompt plus output (default: the model's)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled per scheduling turn, so that a long prompt "
+                        "does not stall running streams (default 256)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
+    p.add_argument("--full-draft-vocab", action="store_true",
+                   help="draft over the whole vocabulary, not the head's frequent-token subset")
+    p.add_argument("--stall-timeout", type=float, default=120.0,
+                   help="/health answers 503 when the engine has had work but made no "
+                        "progress for this many seconds (default 120)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM (default 10)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(a) -> int:
+    from .app import ServeConfig, run
+
+    cfg = ServeConfig(
+        model=a.model, head=a.head, served_model_name=a.served_model_name,
+        num_draft_tokens=a.num_draft_tokens, host=a.host, port=a.port, api_key=a.api_key,
+        max_num_seqs=a.max_num_seqs, max_queue=a.max_queue, max_model_len=a.max_model_len,
+        prefill_chunk=a.prefill_chunk, device=a.device, dtype=a.dtype,
+        full_draft_vocab=a.full_draft_vocab, stall_timeout=a.stall_timeout,
+        shutdown_timeout=a.shutdown_timeout, log_level=a.log_level,
+    )
+    cfg.validate()
+    if a.model is not None:
+        from pathlib import Path
+
+        if not Path(a.model).exists():
+            raise FileNotFoundError(f"--model {a.model}: no such file or folder")
+    return run(cfg)

@@ -1,0 +1,416 @@
+"""The engine side of the server: a pool of slots over one model, advanced in turns.
+
+Design. Every slot owns an ``Engine`` (its own trunk and MTP caches) over the one shared
+model, so no state can pass from one request to the next or between concurrent requests.
+Each running request is decoded by the unmodified ``Engine.generate`` in a thread of its own,
+but those threads never run at the same time: a conductor thread hands a baton to one of
+them, which runs until it is about to start its next unit of model work and then hands the
+baton back. The units are seen through ``_TurnModel``, a thin proxy of the model that the
+slot's engine calls instead of the model. A turn is therefore one draft + verify step of one
+sequence (several tokens with MTP, each sequence accepting its own number), or one bounded
+piece of a prompt's prefill: a prompt longer than ``prefill_chunk`` tokens is run in pieces,
+one per turn, so that a long prompt does not stall the streams already running. Requests
+join (a free slot) and leave (finished, stopped, aborted) between turns.
+
+Why threads and a baton rather than one loop calling ``next()`` on each generator: prefill
+happens inside a single ``next()`` of ``Engine.generate``; a generator cannot be suspended in
+the middle of it, a thread can. The conductor keeps the accelerator single-owner and the
+order deterministic (round robin), and each request runs exactly the code a single-request
+``Engine.generate`` runs, which is what makes greedy outputs identical.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.generate import Engine, MTPDrafter, Result
+from ..engine.sampling import SamplingParams
+from ..models.base import TrunkOutput
+
+log = logging.getLogger("mtpkit.serve")
+
+
+_SHUTDOWN = "the server shut down before the request finished"
+
+
+class Aborted(Exception):
+    """The request was cancelled (client gone, server shutting down)."""
+
+
+class QueueFull(Exception):
+    """No room in the waiting queue."""
+
+
+class NotAccepting(Exception):
+    """The scheduler is stopping or has stopped."""
+
+
+@dataclass
+class Request:
+    """One generation request as the scheduler sees it.
+
+    ``on_event`` is called from engine threads with ("text", str), then exactly one of
+    ("done", finish_reason) or ("error", message); it must be thread-safe and non-blocking.
+    """
+
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_event: Callable[[tuple], None]
+    arrival: float = field(default_factory=time.monotonic)
+    aborted: bool = False  # set from any thread; honoured at the request's next turn
+    abort_reason: str = "the request was cancelled"
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None  # stop, length, abort or error
+    completion_tokens: int = 0
+
+
+class _TurnModel:
+    """The shared model as one slot's engine sees it: each unit of work is a scheduling point.
+
+    Trunk forwards longer than ``chunk`` tokens (a prefill) and MTP catch-up passes longer than
+    ``chunk`` run in pieces; the result is the same hidden states the whole pass returns, up to
+    floating-point summation order.
+    """
+
+    def __init__(self, model, chunk: int) -> None:
+        self._model = model
+        self._chunk = chunk
+        self.worker: _Worker | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, input_ids: torch.Tensor, cache=None) -> TrunkOutput:
+        """Trunk forward, a chunk per turn."""
+        outs = []
+        for s in range(0, input_ids.shape[1], self._chunk):
+            piece = input_ids[:, s : s + self._chunk]
+            self.worker.before_unit(piece.shape[1], trunk=True)
+            outs.append(self._model(piece, cache))
+        return _concat(outs)
+
+    def mtp_forward(self, next_ids, hidden, step, start, cache) -> TrunkOutput:
+        """MTP head pass; a long catch-up (right after a prefill) runs a chunk per turn."""
+        outs = []
+        for s in range(0, next_ids.shape[1], self._chunk):
+            ids = next_ids[:, s : s + self._chunk]
+            self.worker.before_unit(ids.shape[1], trunk=False)
+            outs.append(self._model.mtp_forward(
+                ids, hidden[:, s : s + self._chunk], step, start + s, cache))
+        return _concat(outs)
+
+
+def _concat(outs: list[TrunkOutput]) -> TrunkOutput:
+    if len(outs) == 1:
+        return outs[0]
+    return TrunkOutput(torch.cat([o.hidden for o in outs], 1),
+                       torch.cat([o.pre_norm for o in outs], 1))
+
+
+class _Slot:
+    """One engine over the shared model: its own caches, its own view of the model."""
+
+    def __init__(self, index: int, model, tokenizer, max_model_len: int,
+                 drafter: MTPDrafter | None, chunk: int) -> None:
+        self.index = index
+        self.model = _TurnModel(model, chunk)
+        self.engine = Engine(self.model, tokenizer, max_model_len)
+        self.drafter = None
+        if drafter is not None:
+            # Share the loaded drafter's draft-vocabulary weights; only the model it calls
+            # changes (the slot's proxy, so that MTP catch-up passes are scheduled too).
+            self.drafter = copy.copy(drafter)
+            self.drafter.model = self.model
+
+
+class _Worker:
+    """The thread that decodes one request in a slot, running only while it holds the baton."""
+
+    def __init__(self, sched: Scheduler, slot: _Slot, req: Request) -> None:
+        self.sched, self.slot, self.req = sched, slot, req
+        self.go = threading.Semaphore(0)
+        self.done = False
+        self.result = Result()
+        self.text = ""  # text produced in this turn, not yet handed to the request
+        self.turn_tokens = 0
+        self.turn_trunk = False
+        self.last_emit: float | None = None
+        self.seen = _Seen()
+        self.thread = threading.Thread(target=self._main, daemon=True,
+                                       name=f"mtpkit-slot-{slot.index}")
+
+    # -- called in the worker thread ------------------------------------------------------
+    def before_unit(self, tokens: int, trunk: bool) -> None:
+        """Hand the baton back first if this turn has done its share of work."""
+        if self.turn_tokens and (
+            (trunk and self.turn_trunk) or self.turn_tokens + tokens > self.sched.prefill_chunk
+        ):
+            self._pause()
+        self.turn_tokens += tokens
+        self.turn_trunk = self.turn_trunk or trunk
+
+    def _pause(self) -> None:
+        self._flush()
+        self._account()
+        self.turn_tokens, self.turn_trunk = 0, False
+        self.sched._back.release()
+        self.go.acquire()
+        if self.req.aborted:
+            raise Aborted
+
+    def _flush(self) -> None:
+        if self.text:
+            text, self.text = self.text, ""
+            self._post(("text", text))
+
+    def _post(self, event: tuple) -> None:
+        try:
+            self.req.on_event(event)
+        except Exception:  # the client side is gone (loop closed): nothing to tell
+            log.debug("request %s: event dropped", self.req.id, exc_info=True)
+
+    def _account(self) -> None:
+        # Counted by the worker itself (it holds the baton, so nothing else runs) and before
+        # the final event, so that /metrics agrees with a response the moment it is received.
+        if self.sched.stats is not None:
+            try:
+                self.sched.stats.turn(self)
+            except Exception:
+                log.exception("metrics accounting failed")
+
+    def _main(self) -> None:
+        self.go.acquire()
+        req = self.req
+        final: tuple | None = None
+        try:
+            if req.aborted:
+                raise Aborted
+            self.slot.model.worker = self
+            req.finish_reason = self._decode()
+            self._flush()
+            final = ("done", req.finish_reason)
+        except Aborted:
+            req.finish_reason = "abort"
+            final = ("aborted", req.abort_reason)
+        except Exception as e:
+            log.exception("request %s failed in the engine", req.id)
+            req.finish_reason = "error"
+            final = ("error", f"internal error in the engine: {type(e).__name__}: {e}")
+        finally:
+            try:
+                self.slot.model.worker = None
+                req.finished_at = time.monotonic()
+                self._account()
+                if self.sched.stats is not None:
+                    self.sched.stats.finished(req)
+                self._post(final or ("aborted", req.abort_reason))
+            except Exception:
+                log.exception("request %s: cleanup failed", req.id)
+            finally:
+                # Whatever happened, the baton goes back: the engine thread must never wait
+                # on a request that has ended.
+                self.done = True
+                self.sched._back.release()
+
+    def _decode(self) -> str:
+        req, sched = self.req, self.sched
+        stream = TextStream(sched.tokenizer, req.params.stop)
+        gen = self.slot.engine.generate(req.prompt_ids, req.params, sched.num_draft_tokens,
+                                        result=self.result, drafter=self.slot.drafter)
+        try:
+            for token in gen:
+                if req.first_token_at is None:
+                    req.first_token_at = time.monotonic()
+                req.completion_tokens += 1
+                self.text += stream.push(token)
+                if stream.stopped:
+                    return "stop"
+        finally:
+            gen.close()
+        self.text += stream.flush()
+        return "stop" if stream.stopped else (self.result.finish_reason or "stop")
+
+
+@dataclass
+class _Seen:
+    """What a worker's counters stood at when last accounted (for per-turn deltas)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    per_pos: list[int] = field(default_factory=list)
+    generated: int = 0
+
+
+class TextStream:
+    """Token ids -> final text pieces; text that could still become a stop string is held."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.decoder = tokenizer.stream_decoder()
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add a token; return the text that is now final."""
+        self.text += self.decoder.push(token)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """The generation ended: return everything still held."""
+        self.text += self.decoder.flush()
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.text, self.stopped, final = self.text[: min(hits)], True, True
+        end = len(self.text) if final else max(len(self.text) - self.hold, self.sent)
+        piece, self.sent = self.text[self.sent : end], end
+        return piece
+
+
+class Scheduler:
+    """Owns the model: admits requests into slots and advances them a turn at a time."""
+
+    def __init__(self, model, tokenizer, *, drafter: MTPDrafter | None, num_draft_tokens: int,
+                 max_num_seqs: int, max_queue: int, max_model_len: int, prefill_chunk: int,
+                 stats=None) -> None:
+        self.tokenizer = tokenizer
+        self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
+        self.prefill_chunk = prefill_chunk
+        self.max_queue = max_queue
+        self.max_model_len = max_model_len
+        self.stats = stats
+        self._free = [_Slot(i, model, tokenizer, max_model_len, drafter, prefill_chunk)
+                      for i in range(max_num_seqs)]
+        self._waiting: deque[Request] = deque()
+        self._running: list[_Worker] = []
+        self._cv = threading.Condition()
+        self._back = threading.Semaphore(0)
+        self._stopping = False
+        self._stopping_soon = False
+        self.heartbeat = time.monotonic()
+        self.turns = 0
+        self._thread = threading.Thread(target=self._loop, name="mtpkit-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the server's event loop ------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        """Requests holding a slot."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiting)
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has ended."""
+        return self._thread.is_alive()
+
+    def busy_for(self) -> float:
+        """Seconds since the engine last made progress while it had work (0 when idle)."""
+        if not self._running and not self._waiting:
+            return 0.0
+        return time.monotonic() - self.heartbeat
+
+    def submit(self, req: Request) -> None:
+        """Queue a request; QueueFull when the queue is at --max-queue."""
+        with self._cv:
+            if self._stopping or self._stopping_soon:
+                raise NotAccepting("the server is shutting down")
+            # Slots not yet claimed by the engine thread count as room too.
+            if len(self._waiting) >= self.max_queue + len(self._free):
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            self._waiting.append(req)
+            self._cv.notify()
+
+    def abort(self, req: Request, reason: str | None = None) -> None:
+        """Cancel a request: dropped from the queue now, or stopped at its next turn."""
+        with self._cv:
+            if reason:
+                req.abort_reason = reason
+            req.aborted = True
+            if req in self._waiting:
+                self._waiting.remove(req)
+                req.finish_reason = "abort"
+                req.finished_at = time.monotonic()
+                if self.stats is not None:
+                    self.stats.finished(req)
+                try:
+                    req.on_event(("aborted", req.abort_reason))
+                except Exception:
+                    log.debug("request %s: event dropped", req.id, exc_info=True)
+
+    def drain(self) -> None:
+        """Refuse new requests; those queued or running go on."""
+        with self._cv:
+            self._stopping_soon = True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything and end the engine thread."""
+        with self._cv:
+            self._stopping = True
+            waiting = list(self._waiting)
+        for req in waiting:
+            self.abort(req, _SHUTDOWN)
+        for w in list(self._running):
+            self.abort(w.req, _SHUTDOWN)
+        with self._cv:
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        turn = 0
+        while True:
+            with self._cv:
+                self._admit()
+                if not self._running:
+                    self.heartbeat = time.monotonic()
+                    if self._stopping:
+                        return
+                    self._cv.wait(timeout=1.0)
+                    continue
+                if self._stopping:
+                    for w in self._running:
+                        w.req.abort_reason, w.req.aborted = _SHUTDOWN, True
+            turn %= len(self._running)
+            w = self._running[turn]
+            w.go.release()
+            self._back.acquire()
+            self.heartbeat = time.monotonic()
+            self.turns += 1
+            if w.done:
+                w.thread.join()
+                with self._cv:
+                    self._running.pop(turn)
+                    self._free.append(w.slot)
+            else:
+                turn += 1
+
+    def _admit(self) -> None:
+        while self._free and self._waiting:
+            req = self._waiting.popleft()
+            req.admitted_at = time.monotonic()
+            w = _Worker(self, self._free.pop(), req)
+            self._running.append(w)
+            if self.stats is not None:
+                self.stats.admitted(req)
+            w.thread.start()
