@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import warnings
 
 
@@ -36,7 +37,22 @@ def _generate_args(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.add_argument("--compare", action="store_true",
                    help="also decode without MTP, check the texts agree, report the speed-up")
+    _compile_args(p)
     p.set_defaults(func=_cmd_generate)
+
+
+def _compile_args(p) -> None:
+    p.add_argument("--compile", choices=["off", "aoti", "inductor", "eager"], default="off",
+                   help="greedy decoding through fixed-shape compiled programs (aoti: built "
+                        "once, about 1.5 min per program, then loaded from the cache in "
+                        "seconds; inductor: torch.compile in process; eager: the same "
+                        "programs uncompiled). Default off")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft from only the N most frequent tokens of the head's draft "
+                        "vocabulary (cheaper drafts; output unchanged)")
+    p.add_argument("--draft-p-min", type=float, default=None,
+                   help="with --compile: verify only the drafts before the first whose head "
+                        "probability is below this (adaptive draft length)")
 
 
 def _cmd_generate(a) -> int:
@@ -50,13 +66,27 @@ def _cmd_generate(a) -> int:
     params.validate()
     if a.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {a.num_draft_tokens}")
+    t0 = time.perf_counter()
     session = Session.load(a.model, head=a.head, device=a.device, dtype=a.dtype,
-                           full_draft_vocab=a.full_draft_vocab)
+                           full_draft_vocab=a.full_draft_vocab, compile=a.compile,
+                           draft_p_min=a.draft_p_min, draft_vocab_size=a.draft_vocab_size)
     k = 0 if a.no_mtp else a.num_draft_tokens
     if k and not session.engine.has_mtp:
         print(f"note: {session.name} has no MTP head; decoding without speculation",
               file=sys.stderr)
         k = 0
+    fast = session.engine.fast
+    if fast is not None:
+        if not params.greedy:
+            print("note: --compile serves greedy requests; sampling runs eagerly",
+                  file=sys.stderr)
+        else:
+            fast.warmup(k)
+            if a.compare and k:
+                fast.warmup(0)
+            st = fast.stats
+            print(f"compiled programs: {st.loaded} loaded, {st.compiled} built; ready "
+                  f"{time.perf_counter() - t0:.1f} s after start", file=sys.stderr)
     stream = not a.json
     out = session.complete(a.prompt, params, k, chat=a.chat,
                            on_text=(lambda s: print(s, end="", flush=True)) if stream else None)

@@ -49,6 +49,36 @@ def test_generate_json_and_compare(model_dir, capsys):
     assert len(m["per_position_acceptance_rate"]) == 3
 
 
+def test_generate_compiled_path_matches_eager(model_dir, capsys):
+    """--compile (eager programs here: CI time) gives the text of the eager engine."""
+    _, want, _ = _run(capsys, "generate", "def f(x):", "--model", str(model_dir), "--json",
+                      "--max-tokens", "24", "--ignore-eos")
+    code, out, err = _run(capsys, "generate", "def f(x):", "--model", str(model_dir), "--json",
+                          "--max-tokens", "24", "--ignore-eos", "--compile", "eager",
+                          "--compare", "--draft-p-min", "0.3")
+    assert code == 0 and "compiled programs:" in err
+    got, ref = json.loads(out), json.loads(want)
+    assert got["text"] == ref["text"] and got["identical_to_baseline"] is True
+    assert got["metrics"]["generated_tokens"] == 24
+
+
+def test_bench_steps_table(model_dir, capsys):
+    """`mtpkit bench steps` times every program and relates it to the decode step."""
+    code, out, _ = _run(capsys, "bench", "steps", "--model", str(model_dir), "--backends",
+                        "eager", "--k", "2", "--context", "20", "--repeats", "3", "--json")
+    assert code == 0
+    rep = json.loads(out)
+    (row,) = rep["rows"]
+    assert row["backend"] == "eager" and rep["k"] == 2
+    for key in ("decode_ms", "verify_ms", "draft_ms", "round_ms"):
+        assert row[key] > 0
+    assert row["verify_over_decode"] == pytest.approx(row["verify_ms"] / row["decode_ms"])
+    assert rep["decode_bound_ms"] > 0 and rep["bandwidth_gbs"] > 0
+    code, _, err = _run(capsys, "bench", "steps", "--model", str(model_dir), "--backends",
+                        "fast")
+    assert code == 2 and "--backends 'fast'" in err
+
+
 def test_stop_string_ends_output(model_dir, capsys):
     _, full, _ = _run(capsys, "generate", "xyz", "--model", str(model_dir), "--json",
                       "--max-tokens", "24", "--no-mtp")
@@ -71,6 +101,9 @@ def test_stop_string_ends_output(model_dir, capsys):
         (["--max-tokens", "100000"], "exceeds the model's context"),
         (["--device", "cuda"], "no CUDA device"),
         (["--dtype", "int3"], "--dtype 'int3' is not one of"),
+        (["--draft-p-min", "0.5"], "--draft-p-min needs the compiled path"),
+        (["--compile", "eager", "--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1)"),
+        (["--draft-vocab-size", "8"], "--draft-vocab-size needs a head with a draft vocab"),
     ],
 )
 def test_bad_arguments_give_one_clear_line(model_dir, capsys, args, message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -39,7 +40,27 @@ def add_parser(sub) -> None:
     o.add_argument("--out", help="results folder (default mtpkit-bench/offline-<time>)")
     o.add_argument("--no-bandwidth", action="store_true",
                    help="skip the memory-bandwidth measurement (and the bound column)")
+    from ..cli import _compile_args
+
+    _compile_args(o)
     o.set_defaults(func=cmd_offline)
+
+    st = bsub.add_parser("steps", help="per-step costs: decode, verify k+1, draft, round",
+                         description="Median milliseconds of one decode step, one "
+                                     "verification of k+1 tokens, one MTP draft step and one "
+                                     "speculative round, per backend, with the bandwidth "
+                                     "bound of a decode step.")
+    st.add_argument("--model", help="checkpoint folder or .gguf (default: the built-in model)")
+    st.add_argument("--head", help="MTP head folder to lay over the model")
+    st.add_argument("--k", type=int, default=3, help="draft length (default 3)")
+    st.add_argument("--backends", default="eager,aoti",
+                    help="comma-separated: eager, aoti, inductor (default eager,aoti)")
+    st.add_argument("--context", type=int, default=128, help="cache positions filled (128)")
+    st.add_argument("--repeats", type=int, default=30, help="timed calls per step (30)")
+    st.add_argument("--full-draft-vocab", action="store_true",
+                    help="draft over the whole vocabulary, not the head's draft vocabulary")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.set_defaults(func=cmd_steps)
 
     s = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (streaming)",
                         description="Streaming requests at each concurrency: TTFT, TPOT, ITL, "
@@ -79,6 +100,8 @@ def add_parser(sub) -> None:
     c.add_argument("--skip", default="", help="comma-separated engines to leave out: "
                    f"{', '.join(SKIPPABLE)}")
     c.add_argument("--out", help="results folder (default mtpkit-bench/compare-<time>)")
+    c.add_argument("--compile", choices=["off", "aoti", "inductor"], default="off",
+                   help="also run mtpkit's compiled greedy path (see `mtpkit generate`)")
     c.set_defaults(func=cmd_compare)
 
 
@@ -171,7 +194,11 @@ def cmd_offline(a) -> int:
     from ..engine.session import Session
 
     session = Session.load(a.model, head=a.head, device=a.device, dtype=a.dtype,
-                           full_draft_vocab=a.full_draft_vocab)
+                           full_draft_vocab=a.full_draft_vocab, compile=a.compile,
+                           draft_p_min=a.draft_p_min, draft_vocab_size=a.draft_vocab_size)
+    if session.engine.fast is not None:
+        for k in ks:  # build or load every program before anything is timed
+            session.engine.fast.warmup(k)
     if any(ks) and not session.engine.has_mtp:
         raise ValueError(f"{session.name} has no MTP head, so only k=0 can be measured; "
                          "pass --head DIR (a head from `mtpkit calibrate`)")
@@ -189,6 +216,45 @@ def cmd_offline(a) -> int:
     write_offline(result, out)
     print_offline(result, out)
     return 0 if result["identical_across_k"] else 1
+
+
+def cmd_steps(a) -> int:
+    """Print (or dump as JSON) the per-step cost table."""
+    from ..engine.fast import BACKENDS, unsupported_reason
+    from ..engine.session import Session
+    from .steps import steps_report
+
+    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad or not backends:
+        raise ValueError(f"--backends {a.backends!r}: each must be one of {', '.join(BACKENDS)}")
+    _positive(a.k, "--k")
+    _positive(a.repeats, "--repeats")
+    _positive(a.context, "--context")
+    session = Session.load(a.model, head=a.head, full_draft_vocab=a.full_draft_vocab)
+    reason = unsupported_reason(session.engine.model)
+    if reason is not None:
+        raise ValueError(f"{session.name}: the fast path cannot run this model: {reason}")
+    result = steps_report(session.engine, backends, a.k, a.context, a.repeats)
+    result["model"] = session.name
+    result["threads"] = torch_threads()
+    if a.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{Path(session.name).name}, {_threads(result['threads'])}, k={a.k}, context "
+          f"{a.context}; bandwidth {result['bandwidth_gbs']:.1f} GB/s, trunk "
+          f"{result['trunk_bytes'] / 1e6:.0f} MB -> decode bound "
+          f"{result['decode_bound_ms']:.2f} ms")
+    head = f"{'backend':<9}{'decode':>9}{'verify':>9}{'draft':>9}{'round':>9}" \
+           f"{'v/d':>7}{'dr/d':>7}{'r/d':>7}{'d/bound':>9}"
+    print(head + "   (ms; ratios to decode)")
+    for r in result["rows"]:
+        print(f"{r['backend']:<9}{r['decode_ms']:>9.2f}{r['verify_ms']:>9.2f}"
+              f"{r.get('draft_ms', float('nan')):>9.2f}{r.get('round_ms', float('nan')):>9.2f}"
+              f"{r['verify_over_decode']:>7.2f}{r.get('draft_over_decode', float('nan')):>7.2f}"
+              f"{r.get('round_over_decode', float('nan')):>7.2f}"
+              f"{r['decode_ms'] / result['decode_bound_ms']:>9.2f}")
+    return 0
 
 
 def _threads(n: int) -> str:
@@ -435,14 +501,15 @@ def cmd_compare(a) -> int:
     prompts = load_prompts(a.prompts)
     out = Path(a.out) if a.out else _default_out("compare")
     result = compare_report(a.model, a.head, prompts, a.max_tokens, a.k,
-                            a.prompt_lookup_tokens, skip, progress=True)
+                            a.prompt_lookup_tokens, skip, progress=True, compile=a.compile)
     write_compare(result, out)
     print_compare(result, out)
     return 0 if result["mtpkit_lossless"] else 1
 
 
 def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 10,
-                   skip=frozenset(), progress: bool = False, bandwidth_mb: int = 256) -> dict:
+                   skip=frozenset(), progress: bool = False, bandwidth_mb: int = 256,
+                   compile: str | None = None) -> dict:
     """Every engine on the same prompt ids; ratios, agreement and bounds as plain data."""
     from ..engine.session import Session
     from .common import measure_bandwidth, weight_bytes
@@ -490,6 +557,19 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
     base.bound_tokens_per_s = bound_tokens_per_s(wb, 0, 1.0, bw, rows)
     mtp.bound_tokens_per_s = bound_tokens_per_s(wb, k, mtp.mean_acceptance_length, bw, rows)
     runs = [base, mtp]
+    pairs = [(base, mtp)]
+    if compile not in (None, "off"):
+        from ..engine.fast import enable_fast
+
+        if enable_fast(session.engine, compile) is not None:
+            say(f"mtpkit compiled ({compile}) k=0 and k={k} (first run builds the programs) ...")
+            cbase, cmtp = run_mtpkit(session, ids, [0, k], max_tokens,
+                                     ["mtpkit fp32 compiled (no MTP)",
+                                      f"mtpkit fp32 compiled MTP k={k}"])
+            cbase.bound_tokens_per_s, cmtp.bound_tokens_per_s = (base.bound_tokens_per_s,
+                                                                 mtp.bound_tokens_per_s)
+            runs += [cbase, cmtp]
+            pairs.append((cbase, cmtp))
     del session
     variants = []
     if "transformers" not in skip:
@@ -542,7 +622,7 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
         if r.skipped:
             notes.append(f"{r.engine} skipped: {r.skipped}")
         table.append(row)
-    lossless = all(a == b for a, b in zip(mtp.tokens, base.tokens, strict=True))
+    lossless = all(a == b for b0, m0 in pairs for a, b in zip(m0.tokens, b0.tokens, strict=True))
     env["load_average_after"] = _environment()["load_average"]
     return {"command": "compare", "environment": env, "model": str(folder),
             "head": head, "k": k, "max_tokens": max_tokens, "bandwidth_gbs": bw,

@@ -135,6 +135,22 @@ def weight_bytes(model) -> dict:
                 head += size
         else:
             trunk += size
-    lm = model.lm_head.weight
-    return {"trunk": trunk, "head": head, "lm_head": lm.numel() * lm.element_size(),
-            "lm_head_row": lm.shape[1] * lm.element_size()}
+    # Quantized linears keep their weights as buffers (codes, scales, zero points).
+    from ..quant.linear import QuantLinear
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            size = sum(b.numel() * b.element_size() for n, b in mod.named_buffers()
+                       if n != "bias" and b is not None)
+            if name.startswith("mtp."):
+                head += size
+            else:
+                trunk += size
+    lm = model.lm_head
+    if isinstance(lm, QuantLinear):
+        lm_bytes = sum(b.numel() * b.element_size() for n, b in lm.named_buffers()
+                       if n != "bias" and b is not None)
+        return {"trunk": trunk, "head": head, "lm_head": lm_bytes,
+                "lm_head_row": lm_bytes // lm.out_features}
+    return {"trunk": trunk, "head": head, "lm_head": lm.weight.numel() * lm.weight.element_size(),
+            "lm_head_row": lm.weight.shape[1] * lm.weight.element_size()}

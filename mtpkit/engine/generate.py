@@ -123,6 +123,8 @@ class Engine:
         self._mtp_cache: ModelCache | None = None
         self._cache_len = 0
         self.drafter = MTPDrafter(model, draft_vocab) if model.mtp is not None else None
+        # Greedy requests run through fixed-shape compiled programs when set (engine.fast).
+        self.fast = None
 
     @property
     def has_mtp(self) -> bool:
@@ -175,6 +177,9 @@ class Engine:
             eos_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         if params.ignore_eos:
             eos_ids = set()
+        if self.fast is not None and params.greedy and drafter is self.drafter:
+            yield from self.fast.generate(prompt_ids, params.max_tokens, k, res, eos_ids)
+            return
         gen = None
         if not params.greedy:
             gen = torch.Generator(device=self.device)

@@ -30,16 +30,34 @@ class Session:
     @classmethod
     def load(
         cls, path=None, head=None, device: str = "cpu", dtype: str | None = None,
-        full_draft_vocab: bool = False,
+        full_draft_vocab: bool = False, compile: str | None = None,
+        max_model_len: int | None = None, draft_p_min: float | None = None,
+        draft_vocab_size: int | None = None,
     ) -> Session:
-        """Load a checkpoint folder or GGUF file (default: the built-in model) and tokenizer."""
+        """Load a checkpoint folder or GGUF file (default: the built-in model) and tokenizer;
+        ``compile`` (aoti, inductor or eager) serves greedy requests through engine.fast."""
         if path is None:
             from ..builtin import builtin_head, builtin_trunk
 
             path, head = builtin_trunk(), head or builtin_head()
         loaded = load_model(path, device=device, dtype=dtype, head=head)
         vocab = None if full_draft_vocab else loaded.draft_vocab
-        engine = Engine(loaded.model, loaded.tokenizer, draft_vocab=vocab)
+        if draft_vocab_size is not None:
+            if draft_vocab_size < 1:
+                raise ValueError(f"--draft-vocab-size must be >= 1, got {draft_vocab_size}")
+            if vocab is None:
+                raise ValueError("--draft-vocab-size needs a head with a draft vocabulary "
+                                 "(draft_vocab.json, written by mtpkit calibrate)")
+            # The list is most frequent first, so a prefix is the N most frequent tokens.
+            vocab = vocab[:draft_vocab_size]
+        engine = Engine(loaded.model, loaded.tokenizer, max_model_len=max_model_len,
+                        draft_vocab=vocab)
+        if compile not in (None, "off"):
+            from .fast import enable_fast
+
+            enable_fast(engine, compile, draft_p_min=draft_p_min)
+        elif draft_p_min is not None:
+            raise ValueError("--draft-p-min needs the compiled path: add --compile")
         return cls(engine, loaded.tokenizer, str(path))
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:

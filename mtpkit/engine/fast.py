@@ -1,0 +1,640 @@
+"""Fast decoding: fixed-shape steps over a static KV cache, compiled once and cached across
+runs (``mtpkit generate --compile``).
+
+Why: on a CPU, speculative decoding pays only when verifying k+1 tokens costs about what one
+token costs, and eager PyTorch is far from that (small-row GEMMs, one Python dispatch per
+op, attention over a growing cache). Here every step has a shape fixed for the whole run:
+
+- the KV cache is preallocated, one [1, kv_heads, L, dim] buffer per layer (trunk and
+  head); a step writes its keys and values at positions given as a tensor
+  (``index_copy_``) and attends over the whole buffer under the mask ``key <= position``,
+  so lengths never reach a graph shape and slots past the current position (stale entries
+  of an earlier request or of a rejected draft) are never read;
+- a greedy speculative round is one program: verify ``[pending, d1..dk]`` at positions
+  ``pos..pos+k``, accept on the target's argmaxes, catch the MTP head up on those k+1
+  positions (for greedy the token after position i is the target's argmax at i, so the
+  head's inputs are known inside the round; entries past the accepted one are overwritten
+  before they are ever attended), then chain the head k times from the accepted position.
+  The host reads one small tensor per round (target tokens, accept count, next drafts);
+- plain decoding is the same trunk without the head (one token in, its argmax out);
+- the prompt (prefill, any length) runs the same functions eagerly.
+
+Backends: ``aoti`` (default) exports each program and compiles it ahead of time with
+inductor (weights frozen and prepacked, GEMMs autotuned, C++ wrapper) into a package under
+``~/.cache/mtpkit/compiled``, keyed by the model's weights, the shapes, this file and the
+torch build, so a later process only loads it (seconds); ``inductor`` uses
+``torch.compile`` in process (nothing survives the process); ``eager`` runs the programs
+as plain PyTorch (the reference the compiled ones are tested against). Either way the
+shapes are fixed per ``FastDecoder``, so a generation never compiles anything.
+
+Exactness: greedy output with MTP equals output without MTP (the accept rule and the
+models are those of the eager engine). Sampling is served by the eager engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.attention import Attention
+from ..models.layers import MLP, PreNormDecoderLayer, Rotary
+from ..quant.linear import QuantLinear
+
+BACKENDS = ("aoti", "inductor", "eager")
+SPAN_STEP = 64  # attention reads the cache up to the next multiple of this
+DEFAULT_MAX_LEN = 2048  # cache positions of a FastDecoder unless the model's context is shorter
+
+
+def unsupported_reason(model) -> str | None:
+    """Why ``model`` cannot take the fast path (None when it can)."""
+    layers = list(model.model.layers)
+    if model.mtp is not None:
+        if len(model.mtp.layers) != 1:
+            return "MTP heads with more than one layer are not supported"
+        layers += list(model.mtp.layers)
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        # Measured on SmolLM2 w8a16: compiled 1-token and k+1-token programs round int8
+        # products differently (kernel choice per shape, multi-row attention), and greedy
+        # output with MTP then differs from output without. The eager engine stays exact.
+        return ("quantized layers: its compiled 1-token and (k+1)-token steps are not yet "
+                "bit-identical on quantized weights, so MTP would not be lossless")
+    for layer in layers:
+        if not isinstance(layer, PreNormDecoderLayer):
+            return f"{type(layer).__name__} layers are not supported (attention + MLP only)"
+        if type(layer.self_attn) is not Attention or not isinstance(layer.mlp, MLP):
+            return (f"{type(layer.self_attn).__name__} / {type(layer.mlp).__name__} "
+                    "blocks are not supported (GQA attention + SwiGLU MLP only)")
+    return None
+
+
+# -- the model as functions of (modules, tokens, positions, cache buffers) -----------------
+def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+
+def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask) -> torch.Tensor:
+    """GQA attention of x [1, T, D] at positions pos [T], writing the static buffers."""
+    b, t, _ = x.shape
+    nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q = attn.q_proj(x)
+    gate = None
+    if attn.output_gate:
+        q, gate = q.view(b, t, nh, 2 * hd).chunk(2, dim=-1)
+        gate = gate.reshape(b, t, nh * hd)
+    q = q.reshape(b, t, nh, hd)
+    k = attn.k_proj(x).view(b, t, nkv, hd)
+    v = attn.v_proj(x).view(b, t, nkv, hd)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+    kbuf.index_copy_(2, pos, k.to(kbuf.dtype))
+    vbuf.index_copy_(2, pos, v.to(vbuf.dtype))
+    # Only the first mask-width slots are read (the span, see Programs); query heads
+    # sharing a KV head are stacked along the query axis, [1, kv, g*T, hd] against
+    # [1, kv, span, hd], which reads each cached key once instead of expanding the buffer.
+    span = mask.shape[-1]
+    g = nh // nkv
+    # narrow, not [:span]: a slice would clamp to the buffer and pin the span's length.
+    out = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, hd), kbuf.narrow(2, 0, span),
+                                         vbuf.narrow(2, 0, span), attn_mask=mask)
+    out = out.view(b, nh, t, hd).transpose(1, 2).reshape(b, t, nh * hd)
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    return attn.o_proj(out)
+
+
+def _block(layer, x, cos, sin, kbuf, vbuf, pos, mask) -> torch.Tensor:
+    x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, kbuf, vbuf, pos,
+                       mask)
+    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+
+
+def _span(span: torch.Tensor | None, buf: torch.Tensor) -> int:
+    # The span's length is a shape, not a value: compiled programs take it as a dynamic
+    # dimension, so one program serves every length without a host read or a recompile.
+    return buf.shape[2] if span is None else span.shape[0]
+
+
+def _mask(pos: torch.Tensor, length: int, groups: int) -> torch.Tensor:
+    """[groups*T, L]: query t sees the keys at positions 0..pos[t], nothing stale beyond."""
+    keys = torch.arange(length, device=pos.device)
+    return (keys[None, :] <= pos[:, None]).repeat(groups, 1)
+
+
+class Programs(nn.Module):
+    """The step functions; a module holding the model so that export and compilation see
+    its weights as parameters (which freezing folds into the program)."""
+
+    def __init__(self, model, draft_vocab: torch.Tensor | None) -> None:
+        super().__init__()
+        self.model = model
+        cfg = model.config
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.register_buffer("vocab", None)
+        if model.mtp is not None and draft_vocab is not None and len(draft_vocab):
+            w = model.lm_head.weight
+            self.register_buffer("vocab", draft_vocab.to(w.device, torch.long))
+            # The lm_head rows the draft scores, a weight of its own (packed like the rest).
+            self.draft_head = nn.Linear(cfg.hidden_size, len(draft_vocab), bias=False,
+                                        device=w.device, dtype=w.dtype)
+            self.draft_head.weight = nn.Parameter(w.detach()[self.vocab].contiguous(),
+                                                  requires_grad=False)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary fp32 logits (as CausalLM.logits)."""
+        return self.model.lm_head(hidden).float()
+
+    def trunk(self, ids, pos, kc, vc, span=None):
+        """Trunk states (after, before the final norm) [1, T, D] of tokens [1, T] at pos;
+        attention reads the first len(span) cache slots (all without a span)."""
+        m = self.model
+        mask = _mask(pos, _span(span, kc[0]), self.groups)
+        cos, sin = m.rotary.cos_sin(pos)
+        x = m.model.embed_tokens(ids)
+        for i, layer in enumerate(m.model.layers):
+            x = _block(layer, x, cos, sin, kc[i], vc[i], pos, mask)
+        return m.model.norm(x), x
+
+    def head(self, ids, hidden, pos, hk, hv, span=None, zero_first: bool = False):
+        """One MTP step over tokens t_{i+1} [1, T] and states h_i [1, T, D] at pos."""
+        m = self.model
+        mtp = m.mtp
+        emb = m.model.embed_tokens(ids)
+        if zero_first:
+            emb = torch.cat([torch.zeros_like(emb[:, :1]), emb[:, 1:]], dim=1)
+        e, h = mtp.pre_fc_norm_embedding(emb), mtp.pre_fc_norm_hidden(hidden)
+        x = mtp.fc(torch.cat([e, h] if mtp.spec.emb_first else [h, e], dim=-1))
+        cos, sin = m.rotary.cos_sin(pos)
+        x = _block(mtp.layers[0], x, cos, sin, hk, hv, pos,
+                   _mask(pos, _span(span, hk), self.groups))
+        return mtp.norm(x), x
+
+    def draft_pick(self, state):
+        """Draft token (full-vocabulary id) [1] and its probability [1] for states [1, D]."""
+        logits = self.logits(state) if self.vocab is None else self.draft_head(state).float()
+        p, i = torch.softmax(logits, -1).max(-1)
+        # index_select, not vocab[i]: a tensor index stays inside a compiled graph.
+        return (i if self.vocab is None else self.vocab.index_select(0, i)), p
+
+    def chain(self, post, state, pos, hk, hv, k: int, span=None):
+        """k drafts from the head state that predicts the first one: post [1, D] (read by
+        the lm_head) and state [1, D] (fed on), first chained step at pos [1]
+        -> drafts [k], their probabilities [k]."""
+        chain_post = self.model.mtp.spec.chain_hidden == "post_norm"
+        tok, p = self.draft_pick(post)
+        drafts, ps = [tok], [p]
+        for _ in range(k - 1):
+            post, pre = self.head(tok.view(1, 1), state.view(1, 1, -1), pos, hk, hv, span)
+            tok, p = self.draft_pick(post[:, 0])
+            drafts.append(tok)
+            ps.append(p)
+            state = (post if chain_post else pre)[:, 0]
+            pos = pos + 1
+        return torch.cat(drafts), torch.cat(ps)
+
+    # programs ----------------------------------------------------------------------------
+    def decode(self, token, pos, kc, vc, span):
+        """Plain greedy step: token [1, 1] at pos [1] -> the next token [1]."""
+        post, _ = self.trunk(token, pos, kc, vc, span)
+        return self.logits(post[:, -1]).argmax(-1)
+
+    def verify(self, tokens, pos0, kc, vc, span):
+        """Trunk over tokens [1, T] at pos0 [1].. -> the target's argmaxes [T]."""
+        pos = pos0 + torch.arange(tokens.shape[1], device=tokens.device)
+        post, _ = self.trunk(tokens, pos, kc, vc, span)
+        return self.logits(post[0]).argmax(-1)
+
+    def draft_step(self, token, state, pos, hk, hv, span):
+        """One chained head step [1, 1] at pos [1] and its draft pick (cost tables)."""
+        post, _ = self.head(token, state, pos, hk, hv, span)
+        return self.draft_pick(post[:, 0])
+
+    def round(self, tokens, pos0, kc, vc, hk, hv, span, k: int):
+        """Greedy speculative round over tokens [1, T] = [pending, drafts] at pos0 [1].. ->
+        (out [T + 1 + k]: target argmaxes, accept count n, next drafts; probs [k])."""
+        t = tokens.shape[1]
+        spec = self.model.mtp.spec
+        pos = pos0 + torch.arange(t, device=tokens.device)
+        post, pre = self.trunk(tokens, pos, kc, vc, span)
+        target = self.logits(post[0]).argmax(-1)  # [T]
+        # n = length of the run of drafts equal to the target's choice.
+        n = torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)
+        # Head catch-up over all T positions with the target's tokens; row n is what the
+        # eager engine computes next round (later rows are overwritten before use).
+        hidden = post if spec.trunk_hidden == "post_norm" else pre
+        hpost, hpre = self.head(target[None], hidden, pos, hk, hv, span)
+        chain_state = hpost if spec.chain_hidden == "post_norm" else hpre
+        drafts, ps = self.chain(hpost[0].index_select(0, n), chain_state[0].index_select(0, n),
+                                pos0 + n + 1, hk, hv, k, span)
+        return torch.cat([target, n, drafts]), ps
+
+
+class _Step(nn.Module):
+    """One program as a module's forward (what torch.export takes)."""
+
+    def __init__(self, programs: Programs, kind: str, k: int = 0) -> None:
+        super().__init__()
+        self.programs, self.kind, self.k = programs, kind, k
+
+    def forward(self, *args):
+        if self.kind == "round":
+            return self.programs.round(*args, self.k)
+        return getattr(self.programs, self.kind)(*args)
+
+
+# -- compiled artefacts --------------------------------------------------------------------
+def default_cache_dir() -> Path:
+    """Where compiled programs persist: $MTPKIT_COMPILE_CACHE, else ~/.cache/mtpkit/compiled."""
+    if os.environ.get("MTPKIT_COMPILE_CACHE"):
+        return Path(os.environ["MTPKIT_COMPILE_CACHE"])
+    from ..builtin import cache_dir
+
+    return cache_dir() / "compiled"
+
+
+def model_fingerprint(programs: Programs) -> str:
+    """A digest of every weight (shape, dtype, float64 sum, a strided sample) and the config:
+    compiled programs embed the weights, so a different model must never reuse them."""
+    h = hashlib.sha256()
+    h.update(json.dumps(programs.model.config.__dict__, sort_keys=True, default=str).encode())
+    for name, t in list(programs.named_parameters()) + list(programs.named_buffers()):
+        flat = t.detach().reshape(-1)
+        if flat.is_floating_point():
+            summary = [float(flat.sum(dtype=torch.float64))]
+        else:
+            summary = [int(flat.sum(dtype=torch.int64))]
+        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{summary}".encode())
+        h.update(sample)
+    return h.hexdigest()[:24]
+
+
+def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str) -> str:
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    parts = [
+        fingerprint, kind, shapes, str(k), mode, os.environ.get("MTPKIT_GEMM_BACKENDS", ""),
+        torch.__version__, str(pick_vec_isa()),
+        # GEMM templates are generated for the thread count in force at compile time.
+        str(torch.get_num_threads()),
+        hashlib.sha256(inspect.getsource(inspect.getmodule(_build_key)).encode()).hexdigest(),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+def _inductor_configs(mode: str) -> dict:
+    # Freezing folds the weights into the program; prepacking lays them out for inductor's
+    # own CPU GEMM templates, which max-autotune measures against the library GEMMs.
+    cfg = {"freezing": True, "cpp.weight_prepack": True,
+           # Autotuning reports every choice on stderr; users see a progress note instead.
+           "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+    if mode == "max-autotune":
+        cfg["max_autotune"] = True
+    if os.environ.get("MTPKIT_GEMM_BACKENDS"):  # e.g. CPP or ATEN, to compare GEMM choices
+        cfg["max_autotune_gemm_backends"] = os.environ["MTPKIT_GEMM_BACKENDS"]
+    return cfg
+
+
+@dataclass
+class CompileStats:
+    """What building the programs cost so far."""
+
+    seconds: float = 0.0  # wall time spent compiling or loading programs
+    compiled: int = 0  # programs compiled in this process
+    loaded: int = 0  # programs loaded from the cache
+
+
+def dynamo_graphs() -> int:
+    """Graphs torch.compile has produced in this process (each one a compilation)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class FastDecoder:
+    """Greedy decoding, with or without MTP, through fixed-shape programs (module doc).
+
+    ``max_len`` fixes the cache: prompt + max_tokens + 2k + 2 positions must fit.
+    ``draft_p_min`` lets a round verify only the drafts before the first whose head
+    probability falls below it (one program per verify length, built up front).
+    """
+
+    def __init__(
+        self,
+        model,
+        draft_vocab: torch.Tensor | None = None,
+        max_len: int = 1024,
+        backend: str = "aoti",
+        mode: str = "max-autotune",
+        draft_p_min: float | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the fast path cannot run this model: {reason}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        self.model = model
+        self.programs = Programs(model, draft_vocab).eval()
+        self.backend, self.mode = backend, mode
+        self.draft_p_min = draft_p_min
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.stats = CompileStats()
+        self._fingerprint: str | None = None
+        cfg = model.config
+        dtype = model.model.norm.weight.dtype
+        self.device = model.model.embed_tokens.weight.device
+        max_len = self.max_len = max(4, -(-max_len // SPAN_STEP)) * SPAN_STEP
+        # One spare step beyond the longest span: a span as long as the buffer would make
+        # the narrowed view the whole buffer, a case compilers specialize on.
+        shape = (1, cfg.num_key_value_heads, max_len + SPAN_STEP, cfg.head_dim)
+
+        def buf():
+            # Normal tensors even when built in inference mode: export writes them outside it.
+            with torch.inference_mode(False):
+                return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        # One tensor per layer, not one stacked tensor: a compiled step writes a whole
+        # input tensor in place, where a view of a stacked buffer would be copied.
+        self.kc = [buf() for _ in model.model.layers]
+        self.vc = [buf() for _ in model.model.layers]
+        self.hk = self.hv = None
+        if model.mtp is not None:
+            self.hk, self.hv = buf(), buf()
+        self._fns: dict[tuple, object] = {}
+        self._spans: dict[int, torch.Tensor] = {}
+
+    @property
+    def has_mtp(self) -> bool:
+        """True when the model has a head to draft with."""
+        return self.model.mtp is not None
+
+    # -- programs --------------------------------------------------------------------------
+    def span(self, need: int) -> torch.Tensor:
+        """The span argument for a step that reads cache slots 0..need-1: a tensor whose
+        length, need rounded up to SPAN_STEP, is all that matters."""
+        # At least two steps: export gives dimensions of size 0 and 1 special meaning.
+        n = min(self.max_len, max(2, -(-need // SPAN_STEP)) * SPAN_STEP)
+        sp = self._spans.get(n)
+        if sp is None:
+            # Always an inference tensor, whoever asks first (compiled guards check this).
+            with torch.inference_mode():
+                sp = self._spans[n] = torch.empty(n, dtype=torch.uint8, device=self.device)
+        return sp
+
+    def _example(self, kind: str, t: int) -> tuple:
+        dev = self.device
+        z = torch.zeros(1, dtype=torch.long, device=dev)
+        # An example span strictly inside its range, or export pins the length to it.
+        span = self.span(2 * SPAN_STEP)
+        if kind == "decode":
+            return (z.view(1, 1), z, self.kc, self.vc, span)
+        if kind == "verify":
+            return (z.new_zeros(1, t), z, self.kc, self.vc, span)
+        if kind == "draft_step":
+            state = torch.zeros(1, 1, self.model.config.hidden_size, device=dev,
+                                dtype=self.kc[0].dtype)
+            return (z.view(1, 1), state, z, self.hk, self.hv, span)
+        return (z.new_zeros(1, t), z, self.kc, self.vc, self.hk, self.hv, span)
+
+    def _dynamic_shapes(self, example: tuple) -> dict:
+        # Everything static but the span's length, a multiple of SPAN_STEP.
+        blocks = torch.export.Dim("span_blocks", min=2, max=self.max_len // SPAN_STEP)
+        spec = []
+        for a in example:
+            if isinstance(a, list):
+                spec.append([None] * len(a))
+            else:
+                spec.append(None)
+        spec[-1] = {0: SPAN_STEP * blocks}
+        return {"args": tuple(spec)}  # _Step.forward takes *args
+
+    def program(self, kind: str, t: int = 1, k: int = 0):
+        """The callable of one program (built, loaded or traced on first use)."""
+        key = (kind, t, k)
+        fn = self._fns.get(key)
+        if fn is None:
+            t0 = time.perf_counter()
+            with torch.inference_mode(False), torch.no_grad():
+                fn = self._make(kind, t, k)
+            self.stats.seconds += time.perf_counter() - t0
+            self._fns[key] = fn
+        return fn
+
+    def _make(self, kind: str, t: int, k: int):
+        step = _Step(self.programs, kind, k)
+        if self.backend == "eager":
+            return step
+        if self.backend == "inductor":
+            return self._torch_compile(step, kind, t)
+        return self._aoti(step, kind, t, k, self._example(kind, t))
+
+    def _torch_compile(self, step, kind: str, t: int):
+        from torch._inductor import config as inductor_config
+
+        fn = torch.compile(step, dynamic=False, fullgraph=True)
+        before = dynamo_graphs()
+        # Dynamo reads the freezing flag while tracing, so it is set around the first call
+        # (which compiles) rather than passed as a per-compile option. Generation runs in
+        # inference mode, and guards compare dispatch keys: the first call must too.
+        with inductor_config.patch(_inductor_configs(self.mode)), torch.inference_mode():
+            example = self._example(kind, t)
+            torch._dynamo.mark_dynamic(example[-1], 0, min=2 * SPAN_STEP, max=self.max_len)
+            fn(*example)
+        self.stats.compiled += dynamo_graphs() - before
+        return fn
+
+    def _aoti(self, step, kind: str, t: int, k: int, example):
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.programs)
+        shapes = f"T={t},L={self.max_len},dtype={self.kc[0].dtype}"
+        key = _build_key(self._fingerprint, kind, shapes, k, self.mode)
+        path = self.cache_dir / f"{kind}-{key}.pt2"
+        if not path.exists():
+            import sys
+
+            print(f"note: compiling the {kind} program (T={t}, first run only, about 1.5 "
+                  f"min on 2 cores) into {path.parent}", file=sys.stderr)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            ep = torch.export.export(step, example, strict=False,
+                                     dynamic_shapes=self._dynamic_shapes(example))
+            fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
+            os.close(fd)
+            try:
+                torch._inductor.aoti_compile_and_package(
+                    ep, package_path=tmp, inductor_configs=_inductor_configs(self.mode))
+                os.replace(tmp, path)  # atomic: a concurrent run sees all or nothing
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            self.stats.compiled += 1
+        else:
+            self.stats.loaded += 1
+        return torch._inductor.aoti_load_package(str(path))
+
+    def _lengths(self, k: int) -> list[int]:
+        # Verify lengths a request with draft depth k may use.
+        if k == 0:
+            return [1]
+        return list(range(1, k + 2)) if self.draft_p_min is not None else [k + 1]
+
+    def warmup(self, k: int) -> float:
+        """Build or load every program a request with draft depth k uses; seconds taken."""
+        t0 = time.perf_counter()
+        k = k if self.has_mtp else 0
+        for t in self._lengths(k):
+            if k == 0:
+                self.program("decode")
+            else:
+                self.program("round", t, k)
+        return time.perf_counter() - t0
+
+    # -- generation ------------------------------------------------------------------------
+    def check_length(self, prompt_len: int, max_tokens: int, k: int) -> None:
+        """Raise ValueError when a request does not fit the static cache."""
+        need = prompt_len + max_tokens + 2 * k + 2
+        if need > self.max_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) and the draft "
+                f"window need {need} cache positions; the compiled cache holds "
+                f"{self.max_len} (raise --max-model-len)"
+            )
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], k: int):
+        """Run the prompt (eagerly, any length); first token [1] and, with k, first drafts."""
+        pr, dev, n = self.programs, self.device, len(prompt_ids)
+        ids = torch.tensor([prompt_ids], device=dev)
+        pos = torch.arange(n, device=dev)
+        post, pre = pr.trunk(ids, pos, self.kc, self.vc)
+        first = pr.logits(post[:, -1]).argmax(-1)
+        if not k:
+            return first, None, None
+        spec = self.model.mtp.spec
+        hidden = post if spec.trunk_hidden == "post_norm" else pre
+        hpost, hpre = pr.head(torch.cat([ids[:, 1:], first[None]], 1), hidden, pos,
+                              self.hk, self.hv, zero_first=spec.zero_first_embedding)
+        state = hpost if spec.chain_hidden == "post_norm" else hpre
+        drafts, probs = pr.chain(hpost[0, -1:], state[0, -1:],
+                                 torch.tensor([n], device=dev), self.hk, self.hv, k)
+        return first, drafts, probs
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, k: int = 0, result=None,
+                 eos_ids: set[int] | None = None) -> Iterator[int]:
+        """Greedy tokens after ``prompt_ids``; ``result`` (engine.generate.Result) receives
+        finish reason and metrics as the eager engine fills them."""
+        from .generate import Result
+
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        k = k if self.has_mtp else 0
+        self.check_length(len(prompt_ids), max_tokens, k)
+        self.warmup(k)
+        res = result if result is not None else Result()
+        return self._generate(prompt_ids, max_tokens, k, res, eos_ids or set())
+
+    @torch.inference_mode()
+    def _generate(self, prompt_ids, max_tokens, k, res, eos_ids) -> Iterator[int]:
+        m = res.metrics
+        m.prompt_tokens = len(prompt_ids)
+        t0 = time.perf_counter()
+        dev = self.device
+        first, drafts, probs = self.prefill(prompt_ids, k)
+        m.ttft_s = time.perf_counter() - t0
+        emit = _Emit(res, eos_ids, max_tokens, t0)
+        at = len(prompt_ids)  # position of the pending token
+        pending = first
+        emitted = [int(first)]
+        while True:
+            for tok in emitted:
+                if not emit.push(tok):
+                    return
+                yield tok
+                if emit.done:
+                    return
+            if k == 0:
+                nxt = self.program("decode")(pending.view(1, 1), torch.tensor([at], device=dev),
+                                             self.kc, self.vc, self.span(at + 1))
+                m.record(0, 0)
+                emitted = [int(nxt)]
+                at += 1
+                pending = nxt
+                continue
+            kk = k
+            if self.draft_p_min is not None:
+                ok = (probs >= self.draft_p_min).tolist()
+                kk = ok.index(False) if False in ok else k
+            t = kk + 1
+            tokens = torch.cat([pending.view(1), drafts[:kk]])[None]
+            out, probs = self.program("round", t, k)(
+                tokens, torch.tensor([at], device=dev), self.kc, self.vc, self.hk, self.hv,
+                self.span(at + 2 * k + 2))
+            vals = out.tolist()  # the one host read per round
+            n = vals[t]
+            # Counted as the eager engine does: no more drafts than tokens still allowed.
+            drafted = min(kk, max_tokens - emit.generated - 1)
+            m.record(drafted, min(n, drafted))
+            drafts = out[t + 1:]
+            pending = out[n : n + 1]
+            at += n + 1
+            emitted = vals[: n + 1]
+
+
+def enable_fast(engine, backend: str = "aoti", draft_p_min: float | None = None,
+                max_len: int | None = None, mode: str = "max-autotune") -> FastDecoder | None:
+    """Give ``engine`` a FastDecoder for its greedy requests; None (with a note on stderr)
+    when the model cannot take the fast path, which leaves the eager engine serving."""
+    import sys
+
+    reason = unsupported_reason(engine.model)
+    if reason is not None:
+        print(f"note: --compile ignored, {reason}; decoding eagerly", file=sys.stderr)
+        return None
+    if draft_p_min is not None and not 0.0 <= draft_p_min < 1.0:
+        raise ValueError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
+    # A fixed cache length keeps the compiled programs' key stable across requests and runs;
+    # attention reads only the slots in use, so a long cache costs memory, not time.
+    max_len = max_len or min(engine.max_model_len, DEFAULT_MAX_LEN)
+    vocab = engine.drafter.vocab if engine.drafter is not None else None
+    engine.fast = FastDecoder(engine.model, vocab, max_len=max_len, backend=backend, mode=mode,
+                              draft_p_min=draft_p_min)
+    return engine.fast
+
+
+class _Emit:
+    """Stop rules and counters of one request (as Engine._emit)."""
+
+    def __init__(self, res, eos_ids, max_tokens: int, t0: float) -> None:
+        self.res, self.eos, self.max_tokens, self.t0 = res, eos_ids, max_tokens, t0
+        self.generated = 0
+
+    @property
+    def done(self) -> bool:
+        """True once a finish reason is set."""
+        return self.res.finish_reason is not None
+
+    def push(self, tok: int) -> bool:
+        """Record tok; False when it ends generation unemitted (EOS)."""
+        res = self.res
+        if tok in self.eos:
+            res.finish_reason = "stop"
+            return False
+        self.generated += 1
+        res.tokens.append(tok)
+        res.metrics.generated_tokens = self.generated
+        res.metrics.elapsed_s = time.perf_counter() - self.t0
+        if self.generated >= self.max_tokens:
+            res.finish_reason = "length"
+        return True

@@ -1,0 +1,165 @@
+"""The fixed-shape fast path (engine.fast) against the eager engine, and compilation counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtpkit.engine.fast import FastDecoder, dynamo_graphs, enable_fast, unsupported_reason
+from mtpkit.engine.generate import Engine, Result
+from mtpkit.engine.sampling import SamplingParams
+
+# Attention + SwiGLU families take the fast path; the others must say why they do not.
+FAST = ["llama", "llama_tied", "qwen2", "qwen3", "mimo"]
+SLOW = ["qwen3_next_dense", "deepseek_v3"]
+PROMPTS = [[3, 17, 42, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68], [5], [90, 1, 90, 1, 90, 1, 33]]
+
+
+def _eager(engine: Engine, prompt, k, max_tokens=24, eos=None):
+    res = Result()
+    toks = list(engine.generate(prompt, SamplingParams(max_tokens=max_tokens), k, result=res,
+                                eos_ids=eos or set()))
+    return toks, res
+
+
+def _fast(dec: FastDecoder, prompt, k, max_tokens=24, eos=None):
+    res = Result()
+    toks = list(dec.generate(prompt, max_tokens, k, result=res, eos_ids=eos or set()))
+    return toks, res
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_fast_equals_eager_engine(name, engine_factory):
+    """Same tokens, finish reasons and acceptance counts as the eager engine, k = 0..4."""
+    engine = engine_factory(name)
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    for prompt in PROMPTS:
+        want, _ = _eager(engine, prompt, 0)
+        for k in range(5):
+            got, res = _fast(dec, prompt, k)
+            ref, ref_res = _eager(engine, prompt, k)
+            assert got == want == ref, f"k={k} prompt={prompt}"
+            assert res.finish_reason == ref_res.finish_reason == "length"
+            m, r = res.metrics, ref_res.metrics
+            assert (m.num_draft_tokens, m.num_accepted_tokens) == \
+                (r.num_draft_tokens, r.num_accepted_tokens), f"k={k} prompt={prompt}"
+
+
+def test_fast_stops_on_eos_inside_drafts(engine_factory):
+    """An EOS among accepted drafts ends the request there, as in the eager engine."""
+    engine = engine_factory("llama")
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    prompt = PROMPTS[1]
+    full, _ = _eager(engine, prompt, 0, max_tokens=20)
+    eos = {full[7]}
+    want, wres = _eager(engine, prompt, 3, max_tokens=20, eos=eos)
+    got, res = _fast(dec, prompt, 3, max_tokens=20, eos=eos)
+    assert got == want == full[: full.index(full[7])]
+    assert res.finish_reason == wres.finish_reason == "stop"
+
+
+def test_draft_vocab_and_p_min_stay_exact(engine_factory):
+    """A reduced draft vocabulary and adaptive draft length change speed, never tokens."""
+    engine = engine_factory("qwen3")
+    vocab = torch.arange(0, 96, 2)  # half the tokens: many drafts become impossible
+    base = FastDecoder(engine.model, backend="eager", max_len=128)
+    sub = FastDecoder(engine.model, draft_vocab=vocab, backend="eager", max_len=128)
+    adaptive = FastDecoder(engine.model, backend="eager", max_len=128, draft_p_min=0.5)
+    drafted = []
+    for prompt in PROMPTS:
+        want, _ = _fast(base, prompt, 0)
+        full_drafts = _fast(base, prompt, 3)[1].metrics.num_draft_tokens
+        assert _fast(sub, prompt, 3)[0] == want
+        got, res = _fast(adaptive, prompt, 3)
+        assert got == want
+        drafted.append((res.metrics.num_draft_tokens, full_drafts))
+    # The threshold dropped some drafts somewhere (else it tested nothing).
+    assert sum(a for a, _ in drafted) < sum(b for _, b in drafted)
+
+
+@pytest.mark.parametrize("name", SLOW)
+def test_unsupported_models_fall_back(name, engine_factory, capsys):
+    """Hybrid and MLA models keep the eager engine, with a note saying why."""
+    engine = engine_factory(name)
+    assert unsupported_reason(engine.model)
+    assert enable_fast(engine, "eager") is None and engine.fast is None
+    assert "--compile ignored" in capsys.readouterr().err
+
+
+def test_engine_routes_greedy_requests(engine_factory):
+    """Engine.generate uses the fast path for greedy requests, the eager one for sampling."""
+    engine = engine_factory("llama_tied")
+    want, _ = _eager(engine, PROMPTS[0], 3)
+    try:
+        dec = enable_fast(engine, "eager", max_len=128)
+        calls = []
+        orig = dec.generate
+        dec.generate = lambda *a, **kw: calls.append(1) or orig(*a, **kw)
+        got, _ = _eager(engine, PROMPTS[0], 3)
+        assert got == want and calls == [1]
+        res = Result()
+        params = SamplingParams(temperature=0.8, max_tokens=8, seed=1)
+        assert len(list(engine.generate(PROMPTS[0], params, 3, result=res))) == 8
+        assert calls == [1]
+        with pytest.raises(ValueError, match="max-model-len"):
+            list(engine.generate(PROMPTS[0], SamplingParams(max_tokens=250), 3))
+    finally:
+        engine.fast = None
+
+
+def test_inductor_compiles_once(engine_factory):
+    """torch.compile builds the programs up front; generations with any accept length,
+    prompt length or cache span never compile again, and match the eager engine."""
+    engine = engine_factory("llama")
+    dec = FastDecoder(engine.model, backend="inductor", mode="default", max_len=192)
+    dec.warmup(0)
+    dec.warmup(3)
+    before = dynamo_graphs()
+    drafted = accepted = 0
+    for prompt in PROMPTS + [list(range(1, 90))]:  # spans of two and three cache blocks
+        for k in (0, 3):
+            got, res = _fast(dec, prompt, k, max_tokens=40)
+            assert got == _eager(engine, prompt, k, max_tokens=40)[0]
+            drafted += res.metrics.num_draft_tokens
+            accepted += res.metrics.num_accepted_tokens
+    assert dynamo_graphs() == before
+    assert 0 < accepted < drafted  # rounds both accepted and rejected drafts
+    assert dec.stats.compiled >= 2
+
+
+def test_aoti_programs_are_cached(engine_factory, tmp_path):
+    """An exported program is built once, then loaded by a later decoder."""
+    engine = engine_factory("qwen2")
+    first = FastDecoder(engine.model, backend="aoti", mode="default", max_len=128,
+                        cache_dir=tmp_path)
+    want = [_eager(engine, p, 2)[0] for p in PROMPTS]
+    assert [_fast(first, p, 2)[0] for p in PROMPTS] == want
+    assert (first.stats.compiled, first.stats.loaded) == (1, 0)
+    second = FastDecoder(engine.model, backend="aoti", mode="default", max_len=128,
+                         cache_dir=tmp_path)
+    assert [_fast(second, p, 2)[0] for p in PROMPTS] == want
+    assert (second.stats.compiled, second.stats.loaded) == (0, 1)
+    # Other weights never reuse a program built for these.
+    other = engine_factory("qwen3")
+    third = FastDecoder(other.model, backend="aoti", mode="default", max_len=128,
+                        cache_dir=tmp_path)
+    third.warmup(2)
+    assert third.stats.compiled == 1
+
+
+def test_quantized_models_keep_the_eager_engine(checkpoint_factory, tmp_path, capsys):
+    """Quantized weights are refused (their compiled steps are not bit-identical yet)."""
+    import warnings
+
+    from mtpkit.engine.loader import load_model
+    from mtpkit.quant.pack import Scheme
+    from mtpkit.quant.quantize import quantize_checkpoint
+
+    out = tmp_path / "w8"
+    quantize_checkpoint(checkpoint_factory("llama"), out, Scheme("w8a16", None, True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = Engine(load_model(out, tokenizer=False).model)
+    assert "quantized" in unsupported_reason(engine.model)
+    assert enable_fast(engine, "eager") is None
+    assert "--compile ignored" in capsys.readouterr().err
