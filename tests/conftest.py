@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -53,3 +54,12 @@ def engine_factory(checkpoint_factory):
         return engines[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def model_dir(checkpoint_factory, tmp_path_factory) -> Path:
+    """A tiny Llama checkpoint with its MTP head and a character tokenizer (read-only)."""
+    out = tmp_path_factory.mktemp("text-model") / "m"
+    shutil.copytree(checkpoint_factory("llama"), out)
+    tiny.write_char_tokenizer(out)
+    return out

@@ -16,7 +16,6 @@ import warnings
 
 import pytest
 from fastapi import Request
-from tiny import FAMILIES, write_char_tokenizer
 
 from mtpkit.cli import main
 
@@ -25,14 +24,6 @@ def _run(capsys, *args):
     code = main(["bench", *args])
     cap = capsys.readouterr()
     return code, cap.out, cap.err
-
-
-@pytest.fixture(scope="module")
-def model_dir(checkpoint_factory, tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "m"
-    shutil.copytree(checkpoint_factory(FAMILIES[0].name), out)
-    write_char_tokenizer(out)
-    return out
 
 
 # -- offline ---------------------------------------------------------------------------------

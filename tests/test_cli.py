@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from tiny import FAMILIES, write_char_tokenizer
 
 from mtpkit.cli import main
-
-
-@pytest.fixture(scope="module")
-def model_dir(checkpoint_factory, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli") / "m"
-    shutil.copytree(checkpoint_factory(FAMILIES[0].name), out)
-    write_char_tokenizer(out)
-    return out
 
 
 def _run(capsys, *args):

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +27,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tiny import write_char_tokenizer
 
 from mtpkit.engine.generate import Engine, Result
 from mtpkit.engine.loader import load_model
@@ -94,14 +92,6 @@ class Server:
     def client(self, key: str = "unused") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0,
                              timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model_dir(checkpoint_factory, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("serve") / "m"
-    shutil.copytree(checkpoint_factory("llama"), out)
-    write_char_tokenizer(out)
-    return out
 
 
 @pytest.fixture(scope="module")

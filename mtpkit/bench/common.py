@@ -138,18 +138,19 @@ def weight_bytes(model) -> dict:
     # Quantized linears keep their weights as buffers (codes, scales, zero points).
     from ..quant.linear import QuantLinear
 
+    def quant_bytes(mod) -> int:
+        return sum(b.numel() * b.element_size() for n, b in mod.named_buffers()
+                   if n != "bias" and b is not None)
+
     for name, mod in model.named_modules():
         if isinstance(mod, QuantLinear):
-            size = sum(b.numel() * b.element_size() for n, b in mod.named_buffers()
-                       if n != "bias" and b is not None)
             if name.startswith("mtp."):
-                head += size
+                head += quant_bytes(mod)
             else:
-                trunk += size
+                trunk += quant_bytes(mod)
     lm = model.lm_head
     if isinstance(lm, QuantLinear):
-        lm_bytes = sum(b.numel() * b.element_size() for n, b in lm.named_buffers()
-                       if n != "bias" and b is not None)
+        lm_bytes = quant_bytes(lm)
         return {"trunk": trunk, "head": head, "lm_head": lm_bytes,
                 "lm_head_row": lm_bytes // lm.out_features}
     return {"trunk": trunk, "head": head, "lm_head": lm.weight.numel() * lm.weight.element_size(),

@@ -452,6 +452,15 @@ def _check_ct_entries(rep, lay: HFLayout, engine: str) -> None:
                         [engine], entry))
 
 
+def _runtime_modules(lay: HFLayout, engine: str):
+    """What ``engine`` builds for each on-disk module it knows (others are skipped)."""
+    for mod in lay.modules.values():
+        try:
+            yield describe(mod.name, lay.model_type, engine, config=lay.raw)
+        except ValueError:
+            continue
+
+
 def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]:
     """(entry, code, severity, what, why) for every ignore entry the engine does not apply."""
     if not ignore or engine not in _FUSING:
@@ -461,11 +470,7 @@ def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]
     regex_ok: set[str] = set()  # names a re: entry is tested against
     fused_names: set[str] = set()
     leaves_nq: set[str] = set()
-    for mod in lay.modules.values():
-        try:
-            rt = describe(mod.name, mt, engine, config=lay.raw)
-        except ValueError:
-            continue
+    for rt in _runtime_modules(lay, engine):
         exact.add(rt.name)
         if not rt.quantizable:
             leaves_nq.add(rt.name.rsplit(".", 1)[-1])
@@ -484,11 +489,7 @@ def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]
     # serves vLLM, SGLang and transformers at once) is not dead.
     elsewhere: set[str] = set(disk)
     for other in _FUSING:
-        for mod in lay.modules.values():
-            try:
-                rt = describe(mod.name, mt, other, config=lay.raw)
-            except ValueError:
-                continue
+        for rt in _runtime_modules(lay, other):
             elsewhere.add(rt.name)
             elsewhere.update(rt.shards)
     out = []

@@ -50,6 +50,7 @@ from torch import nn
 from ..models.attention import Attention
 from ..models.layers import MLP, PreNormDecoderLayer, Rotary
 from ..quant.linear import QuantLinear
+from .generate import Result, emit
 
 BACKENDS = ("aoti", "inductor", "eager")
 SPAN_STEP = 64  # attention reads the cache up to the next multiple of this
@@ -152,10 +153,6 @@ class Programs(nn.Module):
             self.draft_head.weight = nn.Parameter(w.detach()[self.vocab].contiguous(),
                                                   requires_grad=False)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary fp32 logits (as CausalLM.logits)."""
-        return self.model.lm_head(hidden).float()
-
     def trunk(self, ids, pos, kc, vc, span=None):
         """Trunk states (after, before the final norm) [1, T, D] of tokens [1, T] at pos;
         attention reads the first len(span) cache slots (all without a span)."""
@@ -183,7 +180,7 @@ class Programs(nn.Module):
 
     def draft_pick(self, state):
         """Draft token (full-vocabulary id) [1] and its probability [1] for states [1, D]."""
-        logits = self.logits(state) if self.vocab is None else self.draft_head(state).float()
+        logits = self.model.logits(state) if self.vocab is None else self.draft_head(state).float()
         p, i = torch.softmax(logits, -1).max(-1)
         # index_select, not vocab[i]: a tensor index stays inside a compiled graph.
         return (i if self.vocab is None else self.vocab.index_select(0, i)), p
@@ -208,13 +205,13 @@ class Programs(nn.Module):
     def decode(self, token, pos, kc, vc, span):
         """Plain greedy step: token [1, 1] at pos [1] -> the next token [1]."""
         post, _ = self.trunk(token, pos, kc, vc, span)
-        return self.logits(post[:, -1]).argmax(-1)
+        return self.model.logits(post[:, -1]).argmax(-1)
 
     def verify(self, tokens, pos0, kc, vc, span):
         """Trunk over tokens [1, T] at pos0 [1].. -> the target's argmaxes [T]."""
         pos = pos0 + torch.arange(tokens.shape[1], device=tokens.device)
         post, _ = self.trunk(tokens, pos, kc, vc, span)
-        return self.logits(post[0]).argmax(-1)
+        return self.model.logits(post[0]).argmax(-1)
 
     def draft_step(self, token, state, pos, hk, hv, span):
         """One chained head step [1, 1] at pos [1] and its draft pick (cost tables)."""
@@ -228,7 +225,7 @@ class Programs(nn.Module):
         spec = self.model.mtp.spec
         pos = pos0 + torch.arange(t, device=tokens.device)
         post, pre = self.trunk(tokens, pos, kc, vc, span)
-        target = self.logits(post[0]).argmax(-1)  # [T]
+        target = self.model.logits(post[0]).argmax(-1)  # [T]
         # n = length of the run of drafts equal to the target's choice.
         n = torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)
         # Head catch-up over all T positions with the target's tokens; row n is what the
@@ -519,7 +516,7 @@ class FastDecoder:
         ids = torch.tensor([prompt_ids], device=dev)
         pos = torch.arange(n, device=dev)
         post, pre = pr.trunk(ids, pos, self.kc, self.vc)
-        first = pr.logits(post[:, -1]).argmax(-1)
+        first = pr.model.logits(post[:, -1]).argmax(-1)
         if not k:
             return first, None, None
         spec = self.model.mtp.spec
@@ -535,8 +532,6 @@ class FastDecoder:
                  eos_ids: set[int] | None = None) -> Iterator[int]:
         """Greedy tokens after ``prompt_ids``; ``result`` (engine.generate.Result) receives
         finish reason and metrics as the eager engine fills them."""
-        from .generate import Result
-
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         k = k if self.has_mtp else 0
@@ -553,17 +548,13 @@ class FastDecoder:
         dev = self.device
         first, drafts, probs = self.prefill(prompt_ids, k)
         m.ttft_s = time.perf_counter() - t0
-        emit = _Emit(res, eos_ids, max_tokens, t0)
         at = len(prompt_ids)  # position of the pending token
         pending = first
         emitted = [int(first)]
         while True:
-            for tok in emitted:
-                if not emit.push(tok):
-                    return
-                yield tok
-                if emit.done:
-                    return
+            yield from emit(emitted, res, eos_ids, max_tokens, t0)
+            if res.finish_reason is not None:
+                return
             if k == 0:
                 nxt = self.program("decode")(pending.view(1, 1), torch.tensor([at], device=dev),
                                              self.kc, self.vc, self.span(at + 1))
@@ -584,7 +575,7 @@ class FastDecoder:
             vals = out.tolist()  # the one host read per round
             n = vals[t]
             # Counted as the eager engine does: no more drafts than tokens still allowed.
-            drafted = min(kk, max_tokens - emit.generated - 1)
+            drafted = min(kk, max_tokens - m.generated_tokens - 1)
             m.record(drafted, min(n, drafted))
             drafts = out[t + 1:]
             pending = out[n : n + 1]
@@ -611,30 +602,3 @@ def enable_fast(engine, backend: str = "aoti", draft_p_min: float | None = None,
     engine.fast = FastDecoder(engine.model, vocab, max_len=max_len, backend=backend, mode=mode,
                               draft_p_min=draft_p_min)
     return engine.fast
-
-
-class _Emit:
-    """Stop rules and counters of one request (as Engine._emit)."""
-
-    def __init__(self, res, eos_ids, max_tokens: int, t0: float) -> None:
-        self.res, self.eos, self.max_tokens, self.t0 = res, eos_ids, max_tokens, t0
-        self.generated = 0
-
-    @property
-    def done(self) -> bool:
-        """True once a finish reason is set."""
-        return self.res.finish_reason is not None
-
-    def push(self, tok: int) -> bool:
-        """Record tok; False when it ends generation unemitted (EOS)."""
-        res = self.res
-        if tok in self.eos:
-            res.finish_reason = "stop"
-            return False
-        self.generated += 1
-        res.tokens.append(tok)
-        res.metrics.generated_tokens = self.generated
-        res.metrics.elapsed_s = time.perf_counter() - self.t0
-        if self.generated >= self.max_tokens:
-            res.finish_reason = "length"
-        return True

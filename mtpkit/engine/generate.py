@@ -26,7 +26,6 @@ class DecodeState:
     mtp_start: int  # position of the first entry the MTP head still has to (re)compute
     mtp_ids: torch.Tensor  # [1, T] tokens t_{i+1} for MTP positions mtp_start..mtp_start+T-1
     mtp_hidden: torch.Tensor  # [1, T, D] trunk states h_i at those positions
-    generated: int = 0  # tokens emitted so far
 
 
 @dataclass
@@ -199,11 +198,10 @@ class Engine:
             mtp_hidden=out.for_mtp(spec.trunk_hidden) if spec else out.hidden[:, :0],
         )
         m.ttft_s = time.perf_counter() - t0
-        for token in self._emit([first], st, res, eos_ids, params, t0):
-            yield token
+        yield from emit([first], res, eos_ids, params.max_tokens, t0)
         while res.finish_reason is None:
             # Draft no more than the tokens still allowed: a verification emits up to k+1.
-            k_step = min(k, params.max_tokens - st.generated - 1)
+            k_step = min(k, params.max_tokens - m.generated_tokens - 1)
             drafts, q = [], None
             if k_step > 0:
                 drafts, q = drafter.propose(st, k_step, mtp_cache, params, gen)
@@ -223,25 +221,26 @@ class Engine:
                 st.mtp_hidden = out.for_mtp(spec.trunk_hidden)[:, : n_acc + 1]
             st.pos += n_acc + 1
             st.pending = nxt
-            for token in self._emit([*drafts[:n_acc], nxt], st, res, eos_ids, params, t0):
-                yield token
+            yield from emit([*drafts[:n_acc], nxt], res, eos_ids, params.max_tokens, t0)
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams, gen) -> int:
         if params.greedy:
             return int(logits[0].argmax())
         return int(sample(probs(logits[0], params), gen))
 
-    @staticmethod
-    def _emit(tokens, st: DecodeState, res: Result, eos_ids, params, t0) -> Iterator[int]:
-        for t in tokens:
-            if t in eos_ids:
-                res.finish_reason = "stop"
-                break
-            st.generated += 1
-            res.tokens.append(t)
-            res.metrics.generated_tokens = st.generated
-            res.metrics.elapsed_s = time.perf_counter() - t0
-            yield t
-            if st.generated >= params.max_tokens:
-                res.finish_reason = "length"
-                break
+
+def emit(tokens, res: Result, eos_ids, max_tokens: int, t0: float) -> Iterator[int]:
+    """Yield ``tokens`` until an EOS id (not emitted) or ``max_tokens``; both set the finish
+    reason in ``res``, whose metrics count what was emitted."""
+    m = res.metrics
+    for t in tokens:
+        if t in eos_ids:
+            res.finish_reason = "stop"
+            break
+        m.generated_tokens += 1
+        res.tokens.append(t)
+        m.elapsed_s = time.perf_counter() - t0
+        yield t
+        if m.generated_tokens >= max_tokens:
+            res.finish_reason = "length"
+            break

@@ -31,8 +31,7 @@ class Session:
     def load(
         cls, path=None, head=None, device: str = "cpu", dtype: str | None = None,
         full_draft_vocab: bool = False, compile: str | None = None,
-        max_model_len: int | None = None, draft_p_min: float | None = None,
-        draft_vocab_size: int | None = None,
+        draft_p_min: float | None = None, draft_vocab_size: int | None = None,
     ) -> Session:
         """Load a checkpoint folder or GGUF file (default: the built-in model) and tokenizer;
         ``compile`` (aoti, inductor or eager) serves greedy requests through engine.fast."""
@@ -50,8 +49,7 @@ class Session:
                                  "(draft_vocab.json, written by mtpkit calibrate)")
             # The list is most frequent first, so a prefix is the N most frequent tokens.
             vocab = vocab[:draft_vocab_size]
-        engine = Engine(loaded.model, loaded.tokenizer, max_model_len=max_model_len,
-                        draft_vocab=vocab)
+        engine = Engine(loaded.model, loaded.tokenizer, draft_vocab=vocab)
         if compile not in (None, "off"):
             from .fast import enable_fast
 
