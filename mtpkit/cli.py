@@ -139,6 +139,13 @@ def _calibrate_args(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="record the N most frequent training tokens as the draft vocabulary "
                         "(0: draft over the whole vocabulary)")
+    p.add_argument("--features", metavar="DIR",
+                   help="cache the frozen trunk's outputs for --tokens tokens in DIR (built "
+                        "once, reused), then train --epochs passes at head cost only")
+    p.add_argument("--epochs", type=float, default=1.0,
+                   help="passes over the feature cache (with --features)")
+    p.add_argument("--teacher-top-k", type=int, default=32,
+                   help="trunk probabilities kept per position in the feature cache")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=_cmd_calibrate)
@@ -163,7 +170,8 @@ def _cmd_calibrate(a) -> int:
             draft_depth=a.draft_depth, tokens=a.tokens, steps=a.steps, seed=a.seed,
             device=a.device, seq_len=a.seq_len, batch_size=a.batch_size, lr=a.lr,
             heldout_fraction=a.heldout_fraction, checkpoint_every=a.checkpoint_every,
-            resume=a.resume, draft_vocab=a.draft_vocab,
+            resume=a.resume, draft_vocab=a.draft_vocab, features=a.features,
+            epochs=a.epochs, top_k=a.teacher_top_k,
         )
         run(cfg, progress="bar" if sys.stderr.isatty() else "lines")
         if distributed:

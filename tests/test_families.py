@@ -222,3 +222,32 @@ def test_model_without_head_decodes_plainly(tmp_path):
     assert not engine.has_mtp
     tokens, res = _run(engine, PROMPTS[0], 3)
     assert len(tokens) == 32 and res.metrics.num_draft_tokens == 0
+
+
+PACKABLE = {"llama", "llama_tied", "qwen2", "qwen3", "mimo", "glm4_moe"}  # GQA-only trunks
+
+
+@pytest.mark.parametrize("name", FAMILY_IDS)
+def test_packed_forward_equals_separate_forwards(name, engine_factory):
+    """Several sequences in one trunk forward (serving's batched step) = each one alone."""
+    model = engine_factory(name).model
+    assert model.packable() == (name in PACKABLE)
+    if not model.packable():
+        return
+    g = torch.Generator().manual_seed(5)
+    prefix = [torch.randint(0, VOCAB, (1, n), generator=g) for n in (7, 1, 12)]
+    # A verification (4), a decode step (1) and a prefill chunk (9) in one forward.
+    step = [torch.randint(0, VOCAB, (1, n), generator=g) for n in (4, 1, 9)]
+    with torch.no_grad():
+        solo, packed = [model.new_cache(64) for _ in prefix], [model.new_cache(64) for _ in prefix]
+        for ids, a, b in zip(prefix, solo, packed, strict=True):
+            model(ids, a)
+            model(ids, b)
+        want = [model(ids, c) for ids, c in zip(step, solo, strict=True)]
+        got = model.forward_packed(list(zip(step, packed, strict=True)))
+    for w, o, a, b in zip(want, got, solo, packed, strict=True):
+        assert o.hidden.shape == w.hidden.shape
+        assert (model.logits(o.hidden) - model.logits(w.hidden)).abs().max() < 1e-4
+        assert (o.pre_norm - w.pre_norm).abs().max() < 1e-4
+        assert b.length == a.length
+        assert (b[0].k[:, :, : b.length] - a[0].k[:, :, : a.length]).abs().max() < 1e-5

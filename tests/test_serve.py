@@ -625,6 +625,43 @@ def test_long_prefill_is_interleaved_with_running_streams(ref):
     assert a.finish_reason == "abort"
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_concurrent_sequences_share_one_trunk_forward(ref, packed):
+    """Running sequences verify, decode and prefill in one packed forward per step; each gets
+    the tokens of a single-request run (greedy and seeded sampling), whatever it runs beside."""
+    from mtpkit.serve.scheduler import Request
+
+    sched = _scheduler(ref, packed=packed)
+    prompts = ["def f(x):", "import os\n", "a" * 40, "class A:\n    pass\n" * 3, "x"]
+    temps = [0.0, 0.0, 0.0, 0.8, 0.0]
+    done = {i: threading.Event() for i in range(len(prompts))}
+    texts = dict.fromkeys(range(len(prompts)), "")
+
+    def on_event(i):
+        def f(ev):
+            if ev[0] == "text":
+                texts[i] += ev[1]
+            else:
+                done[i].set()
+        return f
+
+    reqs = [Request(str(i), ref.ids(p), SamplingParams(max_tokens=24, ignore_eos=True,
+                                                        temperature=t, seed=7), on_event(i))
+            for i, (p, t) in enumerate(zip(prompts, temps, strict=True))]
+    try:
+        for r in reqs:
+            sched.submit(r)
+        for e in done.values():
+            assert e.wait(120)
+    finally:
+        sched.stop()
+    assert sched.packed == packed
+    assert (sched.packed_steps > 10) == packed
+    for i, (p, t) in enumerate(zip(prompts, temps, strict=True)):
+        want, _ = ref.run(ref.ids(p), 24, 3, ignore_eos=True, temperature=t, seed=7)
+        assert texts[i] == want, p
+
+
 def test_engine_failure_gives_500_and_the_engine_goes_on(ref, model_dir):
     from mtpkit.serve.app import ServeConfig, ServerState, create_app
 
@@ -647,8 +684,14 @@ def test_engine_failure_gives_500_and_the_engine_goes_on(ref, model_dir):
                 raise RuntimeError("injected fault")
             return self.model(ids, cache)
 
+        def forward_packed(self, items):
+            if any(poison in ids[0].tolist() for ids, _ in items):
+                raise RuntimeError("injected fault")
+            return self.model.forward_packed(items)
+
     for slot in state.sched._free:
         slot.model._model = Faulty(slot.model._model)
+    state.sched.model = Faulty(state.sched.model)  # the packed steps' forward
     app = create_app(state)
 
     async def go():
@@ -715,6 +758,7 @@ def test_health_loading_stall_and_disconnect(ref, model_dir):
             await asyncio.to_thread(state._load)
             for slot in state.sched._free:
                 slot.model._model = Gated(slot.model._model)
+            state.sched.model = Gated(state.sched.model)  # the packed steps' forward
             assert (await c.get("/health")).status_code == 200
 
             hangup = asyncio.Event()

@@ -127,15 +127,19 @@ def test_eval_without_head_is_a_clear_error(setup, capsys):
     assert "has no MTP head" in capsys.readouterr().err
 
 
-def test_data_parallel_ranks_agree(setup):
+@pytest.mark.parametrize("features", [False, True])
+def test_data_parallel_ranks_agree(setup, features):
     """Two CPU processes under torchrun (gloo) end with identical weights."""
     root, trunk, data = setup
-    out = root / "ddp"
+    out = root / f"ddp-{features}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_port=29517", "-m", "mtpkit.cli", "calibrate", "--model", str(trunk),
-           "--data", str(data), "--out", str(out), "--steps", "4", "--seq-len", "64",
-           "--batch-size", "2", "--checkpoint-every", "0"]
+           f"--master_port={29517 + features}", "-m", "mtpkit.cli", "calibrate", "--model",
+           str(trunk), "--data", str(data), "--out", str(out), "--steps", "4", "--seq-len",
+           "64", "--batch-size", "2", "--checkpoint-every", "0"]
+    if features:
+        # Each rank computes its share of the cache's shards, then trains on its own slice.
+        cmd += ["--features", str(root / "ddp-features"), "--tokens", str(20 * 64)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cal = json.loads((out / "head_config.json").read_text())["calibration"]
@@ -222,3 +226,74 @@ def test_recalibrating_a_native_head_keeps_the_checkpoint_layout(checkpoint_fact
     assert diagnose(out).exit_code == 0
     loaded = _quiet_load(out, tokenizer=False)
     assert loaded.model.mtp is not None
+
+
+def _first_batch(cache):
+    return next(cache.batches(2, 0, 0))
+
+
+def test_feature_cache_loss_equals_online_loss(setup, trained):
+    """With the whole vocabulary cached, the cached loss is the online one (fp16 hidden)."""
+    from mtpkit.train import features
+    from mtpkit.train.calibrate import distill_loss
+
+    root, trunk, data = setup
+    loaded = _quiet_load(trunk, head=trained)
+    model, tok = loaded.model, loaded.tokenizer
+    vocab = list(range(model.config.vocab_size))
+    files = [str(f) for f in sorted(data.iterdir())]
+    cache = features.build(model, tok, files, root / "feat-full", seq_len=64, tokens=8 * 64,
+                           vocab=vocab, top_k=len(vocab), key="k")
+    assert len(cache) == 8
+    batch = _first_batch(cache)
+    with torch.no_grad():
+        for depth in (1, 2):
+            want, agree_w, count_w = distill_loss(model, batch["ids"].long(), depth)
+            got, agree_g, count_g = features.cached_loss(model, batch, depth,
+                                                         torch.tensor(vocab))
+            assert float(got) == pytest.approx(float(want), rel=2e-3)
+            assert count_g == count_w and abs(agree_g - agree_w) <= 2
+    # A cache names what it was built from: other settings are refused, not mixed in.
+    with pytest.raises(features.DataError, match="another trunk, data or settings"):
+        features.build(model, tok, files, root / "feat-full", seq_len=64, tokens=8 * 64,
+                       vocab=vocab, top_k=len(vocab), key="other")
+
+
+def test_calibrate_from_feature_cache(setup, capsys):
+    """--features: the trunk runs once, epochs reuse it; the head learns and stays lossless."""
+    root, trunk, data = setup
+    feat = root / "feat"
+    args = ["calibrate", "--model", str(trunk), "--data", str(data), "--seq-len", "64",
+            "--batch-size", "4", "--lr", "3e-3", "--heldout-fraction", "0.2",
+            "--checkpoint-every", "0", "--features", str(feat), "--tokens", str(80 * 64),
+            "--epochs", "3"]
+    assert main([*args, "--out", str(root / "cached")]) == 0
+    shards = sorted(feat.glob("*.safetensors"))
+    assert shards and (feat / "meta.json").exists()
+    stamps = [f.stat().st_mtime_ns for f in shards]
+    out = root / "cached"
+    cal = json.loads((out / "head_config.json").read_text())["calibration"]
+    assert cal["steps_done"] == 3 * 80 // 4
+    held = json.loads((out / "head_config.json").read_text())["data"]["heldout"]
+    after = _quiet_load(trunk, head=out)
+    before = _quiet_load(trunk, new_head_layers=1)
+    init_scratch_head(before.model)
+    rep_after = teacher_eval(after.model, after.tokenizer, held, 1, max_tokens=2000, seq_len=64)
+    rep_before = teacher_eval(before.model, before.tokenizer, held, 1, max_tokens=2000,
+                              seq_len=64)
+    assert rep_after.per_position[0] > rep_before.per_position[0] + 0.1
+    # The draft vocabulary is the cache's, most frequent first.
+    dv = json.loads((out / "draft_vocab.json").read_text())["token_ids"]
+    assert dv == json.loads((feat / "meta.json").read_text())["draft_vocab"]
+    # A second run reuses the cache (no shard rewritten) ...
+    assert main([*args, "--out", str(root / "cached2"), "--epochs", "1"]) == 0
+    assert [f.stat().st_mtime_ns for f in shards] == stamps
+    # ... and one with other settings gets a clear error instead of mixed features.
+    capsys.readouterr()
+    assert main([*args[:-4], "--seq-len", "32", "--out", str(root / "bad")]) == 2
+    assert "another trunk, data or settings" in capsys.readouterr().err
+    loaded = _quiet_load(trunk, head=out)
+    engine = Engine(loaded.model, loaded.tokenizer)
+    prompt = loaded.tokenizer.encode("def dumps(obj):")
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    assert list(engine.generate(prompt, greedy, 3)) == list(engine.generate(prompt, greedy, 0))

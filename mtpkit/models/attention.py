@@ -65,9 +65,15 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: KVCache | None,
+        cache: KVCache | PackedCaches | None,
     ) -> torch.Tensor:
-        """x [B, T, D] at positions cache.length.. -> [B, T, D]."""
+        """x [B, T, D] at positions cache.length.. -> [B, T, D].
+
+        With ``PackedCaches``, x [1, sum T_i, D] holds several sequences one after another:
+        the projections run once over all their rows (the weights are read once per step,
+        which is what batching buys on a bandwidth-bound machine) and each sequence attends
+        over its own cache.
+        """
         b, t, _ = x.shape
         q = self.q_proj(x)
         gate = None
@@ -81,12 +87,30 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        if isinstance(cache, PackedCaches):
+            outs, s = [], 0
+            for c, n in zip(cache.caches, cache.lengths, strict=True):
+                outs.append(self._attend(q[:, :, s : s + n], k[:, :, s : s + n],
+                                         v[:, :, s : s + n], c))
+                s += n
+            out = torch.cat(outs, dim=2)
+        else:
+            out = self._attend(q, k, v, cache)
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    @staticmethod
+    def _attend(q, k, v, cache: KVCache | None) -> torch.Tensor:
+        """Rotated q, k, v [B, H, T, hd] of one sequence -> attention output [B, H, T, hd]."""
+        t = q.shape[2]
         start, mask = 0, None
         if cache is not None:
             start = cache.length
             k, v = cache.update(k, v)
             mask = cache.key_mask(start + t)
-        causal = causal_mask(start, t, x.device)
+        causal = causal_mask(start, t, q.device)
         if mask is not None:
             causal = mask[None, :] if causal is None else causal & mask[None, :]
         if cache is not None and 1 < t <= VERIFY_ROWS and mask is None:
@@ -96,14 +120,16 @@ class Attention(nn.Module):
             # projections are row-independent (the packed int kernels are); one batched
             # masked call rounds differently and, through bf16 activations, can flip a
             # near-tie between the two runs.
-            out = torch.cat([sdpa(q[:, :, j : j + 1], k[:, :, : start + j + 1],
-                                  v[:, :, : start + j + 1], None) for j in range(t)], dim=2)
-        else:
-            out = sdpa(q, k, v, causal)
-        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+            return torch.cat([sdpa(q[:, :, j : j + 1], k[:, :, : start + j + 1],
+                                   v[:, :, : start + j + 1], None) for j in range(t)], dim=2)
+        return sdpa(q, k, v, causal)
+
+
+class PackedCaches:
+    """Several sequences' caches for one layer, for a forward over their rows packed in one."""
+
+    def __init__(self, caches: list[KVCache], lengths: list[int]) -> None:
+        self.caches, self.lengths = caches, lengths
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):

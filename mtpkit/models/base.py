@@ -71,6 +71,37 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, cache[i] if cache is not None else None)
         return TrunkOutput(self.model.norm(x), x)
 
+    def packable(self) -> bool:
+        """Whether ``forward_packed`` can run this trunk: every layer mixes by GQA attention."""
+        from .attention import Attention
+
+        return all(type(getattr(layer, "self_attn", None)) is Attention
+                   and getattr(layer, "linear_attn", None) is None
+                   for layer in self.model.layers)
+
+    def forward_packed(self, items: list[tuple[torch.Tensor, ModelCache]]) -> list[TrunkOutput]:
+        """One trunk forward over several sequences: (ids [1, T_i], cache_i) each.
+
+        Their rows go through every projection and MLP together (weights read once for all),
+        each attends over its own cache; outputs are as ``forward`` on each alone, up to the
+        rounding of a GEMM over more rows.
+        """
+        from .attention import PackedCaches
+
+        lengths = [ids.shape[1] for ids, _ in items]
+        positions = torch.cat([self._positions(c.length, n)
+                               for (_, c), n in zip(items, lengths, strict=True)])
+        cos, sin = self.rotary.cos_sin(positions)
+        x = self.model.embed_tokens(torch.cat([ids for ids, _ in items], dim=1))
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, PackedCaches([c[i] for _, c in items], lengths))
+        hidden = self.model.norm(x)
+        outs, s = [], 0
+        for n in lengths:
+            outs.append(TrunkOutput(hidden[:, s : s + n], x[:, s : s + n]))
+            s += n
+        return outs
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (fp32) for hidden states [B, T, D]."""
         return self.lm_head(hidden).float()

@@ -46,6 +46,7 @@ class ServeConfig:
     max_queue: int = 256
     max_model_len: int | None = None
     prefill_chunk: int = 256
+    packed: bool = True  # one trunk forward per step over all running sequences
     device: str = "cpu"
     dtype: str | None = None
     full_draft_vocab: bool = False
@@ -126,7 +127,7 @@ class ServerState:
         self.sched = Scheduler(
             model, tok, drafter=session.engine.drafter if k else None, num_draft_tokens=k,
             max_num_seqs=cfg.max_num_seqs, max_queue=cfg.max_queue, max_model_len=max_len,
-            prefill_chunk=cfg.prefill_chunk, stats=self.stats,
+            prefill_chunk=cfg.prefill_chunk, stats=self.stats, packed=cfg.packed,
         )
         log.info("model %s loaded in %.1f s: %d draft tokens per step, %d slots, context %d",
                  self.name, time.perf_counter() - t0, k, cfg.max_num_seqs, max_len)

@@ -97,7 +97,10 @@ class _TurnModel:
         for s in range(0, input_ids.shape[1], self._chunk):
             piece = input_ids[:, s : s + self._chunk]
             self.worker.before_unit(piece.shape[1], trunk=True)
-            outs.append(self._model(piece, cache))
+            if self.worker.sched.packed:
+                outs.append(self.worker.trunk(piece, cache))
+            else:
+                outs.append(self._model(piece, cache))
         return _concat(outs)
 
     def mtp_forward(self, next_ids, hidden, step, start, cache) -> TrunkOutput:
@@ -147,6 +150,10 @@ class _Worker:
         self.turn_trunk = False
         self.last_emit: float | None = None
         self.seen = _Seen()
+        # A trunk forward handed to the engine thread, to run packed with the other
+        # sequences' (ids, cache), and its outcome (a TrunkOutput or the exception it raised).
+        self.job: tuple | None = None
+        self.job_out: TrunkOutput | Exception | None = None
         self.thread = threading.Thread(target=self._main, daemon=True,
                                        name=f"mtpkit-slot-{slot.index}")
 
@@ -159,6 +166,15 @@ class _Worker:
             self._pause()
         self.turn_tokens += tokens
         self.turn_trunk = self.turn_trunk or trunk
+
+    def trunk(self, ids: torch.Tensor, cache) -> TrunkOutput:
+        """Run a trunk forward in the engine thread's next packed step; wait for it."""
+        self.job, self.job_out = (ids, cache), None
+        self._pause()
+        out, self.job_out = self.job_out, None
+        if isinstance(out, Exception):
+            raise out
+        return out
 
     def _pause(self) -> None:
         self._flush()
@@ -288,8 +304,13 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, *, drafter: MTPDrafter | None, num_draft_tokens: int,
                  max_num_seqs: int, max_queue: int, max_model_len: int, prefill_chunk: int,
-                 stats=None) -> None:
+                 stats=None, packed: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.model = model
+        # One trunk forward per step for all running sequences (each verifying its own
+        # drafts, decoding or prefilling a chunk) where the model allows it.
+        self.packed = packed and model.packable()
+        self.packed_steps = 0  # forwards that packed two or more sequences
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
@@ -392,6 +413,8 @@ class Scheduler:
                     for w in self._running:
                         w.req.abort_reason, w.req.aborted = _SHUTDOWN, True
             turn %= len(self._running)
+            if turn == 0 and self.packed:
+                self._run_jobs()  # a new round: every sequence's pending trunk work at once
             w = self._running[turn]
             w.go.release()
             self._back.acquire()
@@ -404,6 +427,33 @@ class Scheduler:
                     self._free.append(w.slot)
             else:
                 turn += 1
+
+    @torch.inference_mode()
+    def _run_jobs(self) -> None:
+        pending = [w for w in self._running if w.job is not None]
+        if not pending:
+            return
+        starts = [w.job[1].length for w in pending]
+        try:
+            if len(pending) == 1:
+                outs = [self.model(*pending[0].job)]
+            else:
+                outs = self.model.forward_packed([w.job for w in pending])
+                self.packed_steps += 1
+        except Exception:
+            # Put every cache back where it was, then let each sequence fail (or not) alone:
+            # one request's error must never become another's.
+            log.debug("packed forward failed; running its sequences one by one", exc_info=True)
+            outs = []
+            for w, start in zip(pending, starts, strict=True):
+                ids, cache = w.job
+                cache.trim(start)
+                try:
+                    outs.append(self.model(ids, cache))
+                except Exception as e:
+                    outs.append(e)
+        for w, out in zip(pending, outs, strict=True):
+            w.job, w.job_out = None, out
 
     def _admit(self) -> None:
         while self._free and self._waiting:

@@ -47,6 +47,11 @@ class CalibrateConfig:
     draft_vocab: int = 8192  # keep the N most frequent training tokens for drafting (0: all)
     checkpoint_every: int = 50
     resume: bool = False
+    # A folder caching the frozen trunk's outputs (train/features.py): the trunk runs once
+    # over --tokens tokens, then the head trains --epochs passes at head cost only.
+    features: str | None = None
+    epochs: float = 1.0
+    top_k: int = 32  # teacher entries kept per position in the cache
     split: dict = field(default_factory=dict)
 
 
@@ -158,43 +163,39 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
         warm = min(1.0, (s + 1) / max(cfg.warmup_steps, 1))
         return cfg.lr * warm * max(0.1, 1 - s / total_steps)
 
-    chunks = iter_chunks(tok, train_files, cfg.seq_len, skip=skip)
-    counts = torch.zeros(model.config.vocab_size, dtype=torch.long)
+    if cfg.features:
+        source = _cached_source(cfg, model, tok, train_files, rank, world, step)
+        total_steps = cfg.steps or source.steps
+        counts = None
+    else:
+        source = _online_source(cfg, model, tok, train_files, rank, world, skip)
+        counts = source.counts
     bar = _progress(progress if rank == 0 else "off", total_steps, step)
     t0 = time.perf_counter()
     agree_run = count_run = 0
     loss_v = float("nan")
     while step < total_steps:
-        batch = []
-        for _ in range(cfg.batch_size * world):
-            c = next(chunks, None)
-            if c is None:
-                break
-            skip += 1
-            batch.append(c)
-        batch = batch[rank::world]
-        if len(batch) < cfg.batch_size:
+        batch = next(source.batches, None)
+        if batch is None:
             break  # the data ran out: stop with what was learned
-        ids = torch.tensor(batch, device=cfg.device)
-        counts += torch.bincount(ids.flatten().cpu(), minlength=counts.numel())
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step)
         # Through the DDP wrapper (when distributed) so gradients are averaged across ranks.
-        loss, agree, count = distill_loss(model, ids, cfg.draft_depth, trainable)
+        loss, agree, count = source.loss(batch, trainable)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         step += 1
-        tokens_done += ids.numel() * world
+        tokens_done += batch["ids"].numel() * world
         agree_run = 0.9 * agree_run + agree
         count_run = 0.9 * count_run + count
         loss_v = float(loss.detach())
         if bar:
             bar.update(step, loss_v, agree_run / max(count_run, 1), tokens_done)
         if rank == 0 and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            _save_state(state_dir, head, opt, step, tokens_done, skip)
-        if cfg.tokens and tokens_done >= cfg.tokens:
+            _save_state(state_dir, head, opt, step, tokens_done, source.skip)
+        if cfg.tokens and tokens_done >= cfg.tokens and not cfg.features:
             break
     if bar:
         bar.close()
@@ -223,7 +224,10 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
             },
             "data": cfg.split,
         }
-        vocab = top_tokens(counts, cfg.draft_vocab) if cfg.draft_vocab else None
+        if counts is None:  # trained on a cache: its draft vocabulary, in frequency order
+            vocab = source.cache.meta["draft_vocab"] if cfg.draft_vocab else None
+        else:
+            vocab = top_tokens(counts, cfg.draft_vocab) if cfg.draft_vocab else None
         if native:
             # The head lives in the checkpoint (a native MTP release, or a quantized one
             # written by `mtpkit quantize --head`): the result is that checkpoint with the
@@ -237,6 +241,81 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
         else:
             save_head(head, out, summary, vocab)
     return head
+
+
+class _online_source:
+    """Batches of token chunks; the trunk runs on each (the head trains on its outputs)."""
+
+    def __init__(self, cfg, model, tok, files, rank, world, skip) -> None:
+        self.cfg, self.model, self.rank, self.world, self.skip = cfg, model, rank, world, skip
+        self.chunks = iter_chunks(tok, files, cfg.seq_len, skip=skip)
+        self.counts = torch.zeros(model.config.vocab_size, dtype=torch.long)
+        self.batches = self._batches()
+
+    def _batches(self):
+        cfg = self.cfg
+        while True:
+            batch = []
+            for _ in range(cfg.batch_size * self.world):
+                c = next(self.chunks, None)
+                if c is None:
+                    break
+                self.skip += 1
+                batch.append(c)
+            batch = batch[self.rank::self.world]
+            if len(batch) < cfg.batch_size:
+                return
+            ids = torch.tensor(batch, device=cfg.device)
+            self.counts += torch.bincount(ids.flatten().cpu(), minlength=self.counts.numel())
+            yield {"ids": ids}
+
+    def loss(self, batch, head):
+        return distill_loss(self.model, batch["ids"], self.cfg.draft_depth, head)
+
+
+class _cached_source:
+    """Batches from a feature cache (built first when missing): epochs at head cost only."""
+
+    def __init__(self, cfg, model, tok, files, rank, world, step) -> None:
+        from . import features
+
+        self.cfg, self.model, self.skip = cfg, model, 0
+        tokens = cfg.tokens or 10**6
+        if cfg.draft_vocab:
+            counts = features.count_tokens(tok, files, cfg.seq_len, tokens,
+                                           model.config.vocab_size)
+            vocab = top_tokens(counts, cfg.draft_vocab)
+        else:
+            vocab = list(range(model.config.vocab_size))
+        key = features.cache_key(cfg.model, files, cfg.seq_len, vocab, cfg.top_k, tokens,
+                                 model.mtp.spec.trunk_hidden)
+        say = (lambda s, n: print(f"features: shard {s}/{n}", file=sys.stderr, flush=True)) \
+            if rank == 0 else None
+        self.cache = features.build(model, tok, files, cfg.features, seq_len=cfg.seq_len,
+                                    tokens=tokens, vocab=vocab, top_k=cfg.top_k, key=key,
+                                    batch_size=cfg.batch_size, device=cfg.device, rank=rank,
+                                    world=world, progress=say)
+        self.vocab = self.cache.vocab.to(cfg.device)
+        per_epoch = len(self.cache) // (cfg.batch_size * world)
+        if per_epoch == 0:
+            raise ValueError(f"the feature cache holds {len(self.cache)} sequences, fewer than "
+                             f"one step needs ({cfg.batch_size * world}); lower --batch-size")
+        self.steps = max(1, round(cfg.epochs * per_epoch))
+        self.batches = self._batches(rank, world, step, per_epoch)
+
+    def _batches(self, rank, world, step, per_epoch):
+        epoch, skip = divmod(step, per_epoch)  # resume: the same order, minus what was done
+        while True:
+            for i, b in enumerate(self.cache.batches(self.cfg.batch_size, self.cfg.seed, epoch,
+                                                     rank, world)):
+                if i >= skip:
+                    yield b
+            epoch, skip = epoch + 1, 0
+
+    def loss(self, batch, head):
+        from .features import cached_loss
+
+        return cached_loss(self.model, batch, self.cfg.draft_depth, self.vocab, head)
 
 
 def _rank_weight_diff(head) -> float:
