@@ -297,3 +297,33 @@ def test_calibrate_from_feature_cache(setup, capsys):
     prompt = loaded.tokenizer.encode("def dumps(obj):")
     greedy = SamplingParams(max_tokens=30, ignore_eos=True)
     assert list(engine.generate(prompt, greedy, 3)) == list(engine.generate(prompt, greedy, 0))
+
+
+def test_resume_from_feature_cache_continues_exactly(setup, monkeypatch):
+    """A cached-features run killed after a save and resumed ends with the straight run's
+    weights: the epoch order is seeded and resuming skips exactly the batches done."""
+    import mtpkit.train.calibrate as cal
+
+    root, trunk, data = setup
+    kw = dict(features=str(root / "feat-resume"), tokens=24 * 64, epochs=2, steps=None,
+              batch_size=4)
+    run(_cfg(root, trunk, data, "c-straight", **kw), progress="off")
+    real_save = cal._save_state
+
+    def save_then_die(d, head, opt, step, *a):
+        real_save(d, head, opt, step, *a)
+        if step == 9:  # mid second epoch (6 steps per epoch)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cal, "_save_state", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(_cfg(root, trunk, data, "c-resumed", checkpoint_every=3, **kw), progress="off")
+    monkeypatch.setattr(cal, "_save_state", real_save)
+    run(_cfg(root, trunk, data, "c-resumed", checkpoint_every=3, resume=True, **kw),
+        progress="off")
+    a = load_file(root / "c-straight" / "mtp_head.safetensors")
+    b = load_file(root / "c-resumed" / "mtp_head.safetensors")
+    assert json.loads((root / "c-resumed" / "head_config.json").read_text())[
+        "calibration"]["steps_done"] == 12
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
