@@ -191,6 +191,37 @@ def _cmd_calibrate(a) -> int:
     return 0
 
 
+def _export_head_args(sub) -> None:
+    p = sub.add_parser(
+        "export-head",
+        help="write trunk + MTP head as one checkpoint vLLM serves with MTP",
+        description="Write a Llama/Qwen2 trunk and its mtpkit head as a MiMo-layout checkpoint "
+                    "(Qwen2 layers + one MTP layer), which vLLM serves with "
+                    "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'.",
+    )
+    p.add_argument("--model", help="trunk checkpoint folder (default: the built-in model)")
+    p.add_argument("--head", help="head folder (default: the built-in head with the built-in "
+                                  "model; none: the checkpoint's own head)")
+    p.add_argument("--format", default="mimo", help="mimo (the only exact layout; see --help)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16, float32")
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.set_defaults(func=_cmd_export_head)
+
+
+def _cmd_export_head(a) -> int:
+    from .train.export import export_head
+
+    head = a.head
+    if a.model is None and head is None:
+        head = _builtin_head_or_none()
+    model = a.model or str(_builtin_trunk())
+    out = export_head(model, head, a.out, a.format, a.dtype)
+    print(f"wrote {out} (model_type mimo, one MTP layer). Serve it with vLLM:\n"
+          f"  vllm serve {out} --speculative-config "
+          "'{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'")
+    return 0
+
+
 def _builtin_trunk():
     from .builtin import builtin_trunk
 
@@ -271,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_args(sub)
     _calibrate_args(sub)
+    _export_head_args(sub)
     _eval_args(sub)
     # Larger tools own their subcommands: each module has add_parser(sub), which registers
     # its parser and sets func; the module must import nothing heavy at import time.

@@ -327,3 +327,46 @@ def test_resume_from_feature_cache_continues_exactly(setup, monkeypatch):
         "calibration"]["steps_done"] == 12
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def test_export_head_mimo_round_trip(checkpoint_factory, tmp_path, capsys):
+    """A Llama trunk + head exported as MiMo loads back with the same trunk logits and the
+    same head (exact when MiMo's zeroed first embedding is switched off), lossless MTP."""
+    src = checkpoint_factory("llama")
+    out = tmp_path / "mimo"
+    assert main(["export-head", "--model", str(src), "--out", str(out),
+                 "--dtype", "float32"]) == 0
+    assert "vllm serve" in capsys.readouterr().out
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "mimo" and cfg["num_nextn_predict_layers"] == 1
+    names = set(load_file(out / "model.safetensors"))
+    assert {"model.mtp_layers.0.input_proj.weight", "model.mtp_layers.0.final_layernorm.weight",
+            "model.mtp_layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias",
+            } <= names
+    a = _quiet_load(src, tokenizer=False).model
+    b = _quiet_load(out, tokenizer=False).model
+    assert b.config.model_type == "mimo" and b.mtp.spec.zero_first_embedding
+    ids = torch.randint(0, a.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        oa, ob = a(ids), b(ids)
+        assert (a.logits(oa.hidden) - b.logits(ob.hidden)).abs().max() < 1e-5
+        b.mtp.spec.zero_first_embedding = False
+        cos, sin = a.rotary.cos_sin(torch.arange(23))
+        ha = a.mtp(a.model.embed_tokens(ids[:, 1:]), oa.hidden[:, :-1], 0, cos, sin, None)[0]
+        hb = b.mtp(b.model.embed_tokens(ids[:, 1:]), ob.hidden[:, :-1], 0, cos, sin, None)[0]
+        assert (ha - hb).abs().max() < 1e-5
+        b.mtp.spec.zero_first_embedding = True
+    engine = Engine(b)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    res = Result()
+    want = list(engine.generate([3, 9, 27, 81], greedy, 0, eos_ids=set()))
+    assert list(engine.generate([3, 9, 27, 81], greedy, 3, result=res, eos_ids=set())) == want
+    assert res.metrics.num_draft_tokens > 0
+    # EAGLE is refused with the reason; other families with theirs.
+    assert main(["export-head", "--model", str(src), "--out", str(tmp_path / "e"),
+                 "--format", "eagle"]) == 2
+    assert "no input norm on its first layer" in capsys.readouterr().err
+    assert main(["export-head", "--model", str(checkpoint_factory("qwen3")), "--out",
+                 str(tmp_path / "q")]) == 2
+    assert "takes a Llama or Qwen2 trunk" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists() and not (tmp_path / "q").exists()

@@ -68,3 +68,104 @@ def write_with_head(model, model_path, out, draft_vocab: list[int] | None, force
 
         write_draft_vocab(out, draft_vocab)
     return result
+
+
+# vLLM serves MTP heads only for the families that shipped them. A Llama-family trunk with an
+# mtpkit head is, weight for weight, a MiMo checkpoint (MiMo is Qwen2 with one MTP layer of
+# exactly our head's shape: two input norms, a projection of [hidden, embedding], one decoder
+# layer, a final norm), once q/k/v get zero biases (Qwen2 has them, Llama not). vLLM's
+# EAGLE-1 Llama draft cannot hold this head: its first layer drops input_layernorm and it has
+# no final norm, so an "eagle" export would compute something else.
+MIMO_HEAD_NAMES = {
+    "pre_fc_norm_embedding": "token_layernorm",
+    "pre_fc_norm_hidden": "hidden_layernorm",
+    "fc": "input_proj",
+    "norm": "final_layernorm",
+}
+EXPORT_FORMATS = ("mimo",)
+
+
+def mimo_tensors(model) -> dict[str, torch.Tensor]:
+    """Trunk + head parameters under MiMo's checkpoint names (q/k/v biases added as zeros)."""
+    cfg = model.config
+    if cfg.model_type not in ("llama", "qwen2", "mimo") or model.mtp is None:
+        raise ValueError(
+            f"export-head --format mimo takes a Llama or Qwen2 trunk with an MTP head "
+            f"(got model_type {cfg.model_type!r}{'' if model.mtp is not None else ', no head'})"
+        )
+    if getattr(cfg, "qk_norm", False) or getattr(cfg, "mlp_bias", False) or (
+        getattr(cfg, "attention_bias", False) and cfg.model_type == "llama"
+    ):
+        raise ValueError("export-head --format mimo: this trunk has q/k norms or biases that "
+                         "Qwen2's layer (MiMo's) cannot hold")
+    out: dict[str, torch.Tensor] = {}
+    d = cfg.hidden_size
+    for name, p in model.state_dict().items():
+        t = p.detach().float().cpu()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.startswith("mtp."):
+            rest = name[4:]
+            module = rest.rsplit(".", 1)[0]
+            if module in MIMO_HEAD_NAMES:
+                if module == "fc" and model.mtp.spec.emb_first:
+                    t = torch.cat([t[:, d:], t[:, :d]], dim=1)  # [emb, hidden] -> [hidden, emb]
+                name = f"model.mtp_layers.0.{MIMO_HEAD_NAMES[module]}.weight"
+            else:  # mtp.layers.0.<block> -> model.mtp_layers.0.<block>
+                name = "model.mtp_layers.0." + rest.split(".", 2)[2]
+        out[name] = t
+    for name in list(out):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            if name.endswith(f"self_attn.{proj}.weight"):
+                bias = name[: -len("weight")] + "bias"
+                out.setdefault(bias, torch.zeros(out[name].shape[0]))
+    return out
+
+
+def export_head(model_path, head, out, fmt: str = "mimo", dtype: str = "bfloat16") -> Path:
+    """Write trunk + head as one checkpoint another engine loads with MTP (see formats)."""
+    from ..checkpoint import open_checkpoint
+    from ..engine.loader import hf_config_of, load_model
+    from .heads import replace_dir, write_draft_vocab
+
+    if fmt not in EXPORT_FORMATS:
+        why = ""
+        if fmt == "eagle":
+            why = (" vLLM's EAGLE-1 Llama draft has no input norm on its first layer and no "
+                   "final norm, so it cannot hold an mtpkit head exactly; use --format mimo, "
+                   "which vLLM serves as an MTP model")
+        raise ValueError(f"export-head: unknown --format {fmt!r}.{why}")
+    loaded = load_model(str(model_path), head=None if head is None else str(head),
+                        dtype="float32", tokenizer=False)
+    model = loaded.model
+    tensors = mimo_tensors(model)
+    cast = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype not in cast:
+        raise ValueError(f"export-head: --dtype must be one of {', '.join(cast)}, got {dtype!r}")
+    src = Path(model_path)
+    config = dict(hf_config_of(open_checkpoint(src)))
+    for key in ("quantization_config", "mtp_num_hidden_layers", "attention_bias", "mlp_bias",
+                "head_dim", "pretraining_tp"):
+        config.pop(key, None)
+    config.update(model_type="mimo", architectures=["MiMoForCausalLM"],
+                  num_nextn_predict_layers=1, use_sliding_window=False,
+                  max_window_layers=model.config.num_hidden_layers, torch_dtype=dtype)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file({n: t.to(cast[dtype]).contiguous() for n, t in tensors.items()},
+                  stage / "model.safetensors", metadata={"format": "pt"})
+        (stage / "config.json").write_text(json.dumps(config, indent=2))
+        if src.is_dir():
+            for f in src.iterdir():
+                if f.name.startswith(("tokenizer", "special_tokens", "generation_config",
+                                      "chat_template", "vocab", "merges")):
+                    shutil.copy2(f, stage / f.name)
+        vocab = getattr(loaded, "draft_vocab", None)
+        if vocab is not None:
+            write_draft_vocab(stage, [int(t) for t in vocab])
+        replace_dir(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return out
