@@ -337,6 +337,11 @@ def test_export_head_mimo_round_trip(checkpoint_factory, tmp_path, capsys):
     assert main(["export-head", "--model", str(src), "--out", str(out),
                  "--dtype", "float32"]) == 0
     assert "vllm serve" in capsys.readouterr().out
+    # Readable like any file the user creates (not the private modes of temp folders).
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "mimo" and cfg["num_nextn_predict_layers"] == 1
     names = set(load_file(out / "model.safetensors"))
