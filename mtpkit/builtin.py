@@ -75,7 +75,7 @@ def convert_gguf(src: Path, out: Path) -> None:
         cfg["converted_from"] = src.name
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_tokenizer(Tokenizer.from_gguf(ckpt), tmp)
-        from .train.heads import publish_modes
+        from .outputs import publish_modes
 
         publish_modes(tmp)
         if out.exists():

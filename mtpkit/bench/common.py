@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 
+from ..outputs import publish_modes
+
 
 def parse_int_list(text: str, option: str, minimum: int = 0, maximum: int = 64) -> list[int]:
     """'0,1,2' -> [0, 1, 2]; ValueError naming the option for anything else."""
@@ -59,6 +61,7 @@ def _atomic_bytes(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
+        publish_modes(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -929,6 +929,9 @@ def write_gguf(
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+        from ..outputs import publish_modes
+
+        publish_modes(Path(tmp))
         os.replace(tmp, dest)
     except BaseException:
         if os.path.exists(tmp):

@@ -73,7 +73,7 @@ def _check_paths(inputs: list[Path], out: Path, force: bool) -> None:
 
 def _publish(tmp: Path, out: Path) -> None:
     """Move a finished temporary folder/file to OUT (replacing an old OUT only at the end)."""
-    from ..train.heads import publish_modes
+    from ..outputs import publish_modes
 
     publish_modes(tmp)
     old = None

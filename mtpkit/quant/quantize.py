@@ -126,7 +126,7 @@ def quantize_checkpoint(
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         _copy_side_files(src, tmp)
-        from ..train.heads import replace_dir
+        from ..outputs import replace_dir
 
         replace_dir(tmp, dst)
     except BaseException:

@@ -126,7 +126,8 @@ def export_head(model_path, head, out, fmt: str = "mimo", dtype: str = "bfloat16
     """Write trunk + head as one checkpoint another engine loads with MTP (see formats)."""
     from ..checkpoint import open_checkpoint
     from ..engine.loader import hf_config_of, load_model
-    from .heads import replace_dir, write_draft_vocab
+    from ..outputs import replace_dir
+    from .heads import write_draft_vocab
 
     if fmt not in EXPORT_FORMATS:
         why = ""

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..checkpoint.errors import CheckpointError
+from ..outputs import replace_dir
 
 HEAD_FILE = "mtp_head.safetensors"
 HEAD_CONFIG = "head_config.json"
@@ -96,34 +97,6 @@ def save_head(
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def publish_modes(path: Path) -> None:
-    """Give a finished output the modes of a normally created one (umask applied).
-
-    Temporary folders (mkdtemp) and safetensors' files are private (0700 / 0600); an output
-    moved into place as is would be unreadable to, e.g., a serving container's user.
-    """
-    mask = os.umask(0)
-    os.umask(mask)
-    path = Path(path)
-    items = [path, *path.rglob("*")] if path.is_dir() else [path]
-    for f in items:
-        if not f.is_symlink():
-            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~mask)
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move a finished folder into place; an older one is swapped out, then removed."""
-    publish_modes(src)
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_draft_vocab(head_dir: Path, token_ids: list[int]) -> None:
