@@ -90,6 +90,16 @@ def test_trunk_plus_head_is_lossless(setup, trained):
     assert res.metrics.num_accepted_tokens > 0
 
 
+def _assert_same_head(straight, resumed, steps: int) -> None:
+    """The resumed run did all its steps and ended with the straight run's weights."""
+    a = load_file(straight / "mtp_head.safetensors")
+    b = load_file(resumed / "mtp_head.safetensors")
+    cal = json.loads((resumed / "head_config.json").read_text())["calibration"]
+    assert cal["steps_done"] == steps
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
 def test_resume_continues_exactly(setup):
     root, trunk, data = setup
     run(_cfg(root, trunk, data, "straight", steps=12), progress="off")
@@ -98,12 +108,7 @@ def test_resume_continues_exactly(setup):
         progress="off")
     run(_cfg(root, trunk, data, "resumed", steps=12, resume=True, checkpoint_every=3),
         progress="off")
-    a = load_file(root / "straight" / "mtp_head.safetensors")
-    b = load_file(root / "resumed" / "mtp_head.safetensors")
-    assert json.loads((root / "resumed" / "head_config.json").read_text())[
-        "calibration"]["steps_done"] == 12
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5), k
+    _assert_same_head(root / "straight", root / "resumed", steps=12)
 
 
 def test_eval_cli_teacher_and_generate(setup, trained, capsys):
@@ -321,12 +326,7 @@ def test_resume_from_feature_cache_continues_exactly(setup, monkeypatch):
     monkeypatch.setattr(cal, "_save_state", real_save)
     run(_cfg(root, trunk, data, "c-resumed", checkpoint_every=3, resume=True, **kw),
         progress="off")
-    a = load_file(root / "c-straight" / "mtp_head.safetensors")
-    b = load_file(root / "c-resumed" / "mtp_head.safetensors")
-    assert json.loads((root / "c-resumed" / "head_config.json").read_text())[
-        "calibration"]["steps_done"] == 12
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5), k
+    _assert_same_head(root / "c-straight", root / "c-resumed", steps=12)
 
 
 def test_export_head_mimo_round_trip(checkpoint_factory, tmp_path, capsys):
