@@ -75,12 +75,9 @@ def convert_gguf(src: Path, out: Path) -> None:
         cfg["converted_from"] = src.name
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_tokenizer(Tokenizer.from_gguf(ckpt), tmp)
-        from .outputs import publish_modes
+        from .outputs import publish
 
-        publish_modes(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

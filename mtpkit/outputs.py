@@ -22,14 +22,15 @@ def publish_modes(path: Path) -> None:
             os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~mask)
 
 
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move a finished folder into place; an older one is swapped out, then removed."""
+def publish(src: Path, dst: Path) -> None:
+    """Move a finished temporary folder or file to ``dst``, with normal modes; an older
+    ``dst`` is swapped out first and removed only once the new one is in place."""
+    src, dst = Path(src), Path(dst)
     publish_modes(src)
     old = None
     if dst.exists():
-        old = dst.with_name(f".{dst.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
         os.replace(dst, old)
     os.replace(src, dst)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)

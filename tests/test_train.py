@@ -53,6 +53,15 @@ def _quiet_load(*a, **k):
         return load_model(*a, **k)
 
 
+def _teacher_before_after(trunk, head_dir, held, k):
+    """Teacher-mode reports on the held-out files: the trained head, then a fresh one."""
+    after = _quiet_load(trunk, head=head_dir)
+    before = _quiet_load(trunk, new_head_layers=1)
+    init_scratch_head(before.model)
+    return tuple(teacher_eval(m.model, m.tokenizer, held, k, max_tokens=2000, seq_len=64)
+                 for m in (after, before))
+
+
 @pytest.fixture(scope="module")
 def trained(setup):
     root, trunk, data = setup
@@ -67,12 +76,7 @@ def test_calibrate_writes_head_with_split_and_improves_acceptance(setup, trained
     assert held and train and not set(train) & set(held)
     assert conf["calibration"]["steps_done"] == 40
     assert set(load_file(trained / "mtp_head.safetensors")) >= {"mtp.fc.weight", "mtp.norm.weight"}
-    after = _quiet_load(trunk, head=trained)
-    before = _quiet_load(trunk, new_head_layers=1)
-    init_scratch_head(before.model)
-    rep_after = teacher_eval(after.model, after.tokenizer, held, 2, max_tokens=2000, seq_len=64)
-    rep_before = teacher_eval(before.model, before.tokenizer, held, 2, max_tokens=2000,
-                              seq_len=64)
+    rep_after, rep_before = _teacher_before_after(trunk, trained, held, 2)
     assert rep_after.positions > 500
     assert rep_after.per_position[0] > rep_before.per_position[0] + 0.1
 
@@ -264,7 +268,7 @@ def test_feature_cache_loss_equals_online_loss(setup, trained):
                        vocab=vocab, top_k=len(vocab), key="other")
 
 
-def test_calibrate_from_feature_cache(setup, capsys):
+def test_calibrate_from_feature_cache(setup, capsys, monkeypatch):
     """--features: the trunk runs once, epochs reuse it; the head learns and stays lossless."""
     root, trunk, data = setup
     feat = root / "feat"
@@ -280,18 +284,20 @@ def test_calibrate_from_feature_cache(setup, capsys):
     cal = json.loads((out / "head_config.json").read_text())["calibration"]
     assert cal["steps_done"] == 3 * 80 // 4
     held = json.loads((out / "head_config.json").read_text())["data"]["heldout"]
-    after = _quiet_load(trunk, head=out)
-    before = _quiet_load(trunk, new_head_layers=1)
-    init_scratch_head(before.model)
-    rep_after = teacher_eval(after.model, after.tokenizer, held, 1, max_tokens=2000, seq_len=64)
-    rep_before = teacher_eval(before.model, before.tokenizer, held, 1, max_tokens=2000,
-                              seq_len=64)
+    rep_after, rep_before = _teacher_before_after(trunk, out, held, 1)
     assert rep_after.per_position[0] > rep_before.per_position[0] + 0.1
     # The draft vocabulary is the cache's, most frequent first.
     dv = json.loads((out / "draft_vocab.json").read_text())["token_ids"]
     assert dv == json.loads((feat / "meta.json").read_text())["draft_vocab"]
-    # A second run reuses the cache (no shard rewritten) ...
-    assert main([*args, "--out", str(root / "cached2"), "--epochs", "1"]) == 0
+    # A second run reuses the cache (no shard rewritten, the corpus not even re-counted) ...
+    from mtpkit.train import features
+
+    def no_count(*a, **k):
+        raise AssertionError("a reused cache re-counted the corpus")
+
+    with monkeypatch.context() as m:
+        m.setattr(features, "count_tokens", no_count)
+        assert main([*args, "--out", str(root / "cached2"), "--epochs", "1"]) == 0
     assert [f.stat().st_mtime_ns for f in shards] == stamps
     # ... and one with other settings gets a clear error instead of mixed features.
     capsys.readouterr()

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
 
+from ..outputs import publish_modes
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -929,8 +930,6 @@ def write_gguf(
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        from ..outputs import publish_modes
-
         publish_modes(Path(tmp))
         os.replace(tmp, dest)
     except BaseException:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.runtime_names import IgnoreStatus, describe, ignore_list_for, ignore_status
+from ..outputs import publish
 from .findings import Report
 from .layout import (
     DEEPSEEK_STYLE,
@@ -71,20 +72,6 @@ def _check_paths(inputs: list[Path], out: Path, force: bool) -> None:
         raise ValueError(f"{out} exists; pass --force to replace it, or choose another --out")
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Move a finished temporary folder/file to OUT (replacing an old OUT only at the end)."""
-    from ..outputs import publish_modes
-
-    publish_modes(tmp)
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
 def _stage_copy(src: Path, out: Path) -> Path:
     """A copy of folder ``src`` in a temporary folder beside ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +83,7 @@ def _stage_copy(src: Path, out: Path) -> Path:
 def _finish(tmp: Path, out: Path, changes: list[str], engines) -> GraftResult:
     from .checks import diagnose
 
-    _publish(tmp, out)
+    publish(tmp, out)
     return GraftResult(out, changes, diagnose(out, engines))
 
 

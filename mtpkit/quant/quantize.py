@@ -126,9 +126,9 @@ def quantize_checkpoint(
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         _copy_side_files(src, tmp)
-        from ..outputs import replace_dir
+        from ..outputs import publish
 
-        replace_dir(tmp, dst)
+        publish(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -431,28 +431,27 @@ class Scheduler:
     @torch.inference_mode()
     def _run_jobs(self) -> None:
         pending = [w for w in self._running if w.job is not None]
-        if not pending:
-            return
-        starts = [w.job[1].length for w in pending]
-        try:
-            if len(pending) == 1:
-                outs = [self.model(*pending[0].job)]
-            else:
+        if len(pending) > 1:
+            starts = [w.job[1].length for w in pending]
+            try:
                 outs = self.model.forward_packed([w.job for w in pending])
+            except Exception:
+                # Put every cache back where it was, then let each sequence fail (or not)
+                # alone below: one request's error must never become another's.
+                log.debug("packed forward failed; running its sequences one by one",
+                          exc_info=True)
+                for w, start in zip(pending, starts, strict=True):
+                    w.job[1].trim(start)
+            else:
                 self.packed_steps += 1
-        except Exception:
-            # Put every cache back where it was, then let each sequence fail (or not) alone:
-            # one request's error must never become another's.
-            log.debug("packed forward failed; running its sequences one by one", exc_info=True)
-            outs = []
-            for w, start in zip(pending, starts, strict=True):
-                ids, cache = w.job
-                cache.trim(start)
-                try:
-                    outs.append(self.model(ids, cache))
-                except Exception as e:
-                    outs.append(e)
-        for w, out in zip(pending, outs, strict=True):
+                for w, out in zip(pending, outs, strict=True):
+                    w.job, w.job_out = None, out
+                return
+        for w in pending:  # a lone sequence, or those of a packed step that failed
+            try:
+                out = self.model(*w.job)
+            except Exception as e:
+                out = e
             w.job, w.job_out = None, out
 
     def _admit(self) -> None:

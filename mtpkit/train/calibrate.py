@@ -88,6 +88,28 @@ def init_scratch_head(model, sample: torch.Tensor | None = None) -> None:
         head.fc.weight.copy_(torch.cat([noise, eye] if e_first else [eye, noise], dim=1))
 
 
+def chained_head_logits(model, head, ids: torch.Tensor, hidden: torch.Tensor, depth: int,
+                        logits_fn):
+    """Per chained depth d = 1..depth: (d, n, logits [B, n, V]) of the head at positions
+    0..n-1, which read token i+d and predict the trunk's choice at i+d.
+
+    ``hidden`` [B, T, D] is the trunk state the head reads at depth 1; deeper steps read the
+    head's own state, as drafting chains them. ``head`` is the module to call (a
+    DistributedDataParallel wrapper under torchrun); ``logits_fn`` maps head states to logits.
+    """
+    spec = model.mtp.spec
+    t = ids.shape[1]
+    for d in range(1, depth + 1):
+        n = t - 1 - d  # positions i with a known token i+d and a target at i+d
+        if n <= 0:
+            return
+        cos, sin = model.rotary.cos_sin(torch.arange(n, device=ids.device))
+        emb = model.model.embed_tokens(ids[:, d : d + n]).detach()
+        post, pre = head(emb, hidden[:, :n], d - 1, cos, sin, None)
+        yield d, n, logits_fn(post)
+        hidden = post if spec.chain_hidden == "post_norm" else pre
+
+
 def distill_loss(
     model, ids: torch.Tensor, depth: int, head=None
 ) -> tuple[torch.Tensor, int, int]:
@@ -95,29 +117,19 @@ def distill_loss(
 
     ``head`` is the module to call (a DistributedDataParallel wrapper under torchrun).
     """
-    spec = model.mtp.spec
     head = head if head is not None else model.mtp
-    t = ids.shape[1]
     with torch.no_grad():
         out = model(ids)
         teacher = torch.log_softmax(model.logits(out.hidden), dim=-1)  # [B, T, V]
-        hidden = out.for_mtp(spec.trunk_hidden)
+        hidden = out.for_mtp(model.mtp.spec.trunk_hidden)
     total = torch.zeros((), device=ids.device)
     agree = count = 0
-    for d in range(1, depth + 1):
-        n = t - 1 - d  # positions i with a known token i+d and a target at i+d
-        if n <= 0:
-            break
-        cos, sin = model.rotary.cos_sin(torch.arange(n, device=ids.device))
-        emb = model.model.embed_tokens(ids[:, d : d + n])
-        post, pre = head(emb, hidden[:, :n], d - 1, cos, sin, None)
-        logits = model.logits(post)
+    for d, n, logits in chained_head_logits(model, head, ids, hidden, depth, model.logits):
         target = teacher[:, d : d + n]
         total = total + -(target.exp() * torch.log_softmax(logits, -1)).sum(-1).mean()
         if d == 1:
             agree = int((logits.argmax(-1) == target.argmax(-1)).sum())
             count = logits.shape[0] * n
-        hidden = (post if spec.chain_hidden == "post_norm" else pre)
     return total, agree, count
 
 
@@ -164,12 +176,10 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
         return cfg.lr * warm * max(0.1, 1 - s / total_steps)
 
     if cfg.features:
-        source = _cached_source(cfg, model, tok, train_files, rank, world, step)
+        source = _CachedSource(cfg, model, tok, train_files, rank, world, step)
         total_steps = cfg.steps or source.steps
-        counts = None
     else:
-        source = _online_source(cfg, model, tok, train_files, rank, world, skip)
-        counts = source.counts
+        source = _OnlineSource(cfg, model, tok, train_files, rank, world, skip)
     bar = _progress(progress if rank == 0 else "off", total_steps, step)
     t0 = time.perf_counter()
     agree_run = count_run = 0
@@ -224,10 +234,7 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
             },
             "data": cfg.split,
         }
-        if counts is None:  # trained on a cache: its draft vocabulary, in frequency order
-            vocab = source.cache.meta["draft_vocab"] if cfg.draft_vocab else None
-        else:
-            vocab = top_tokens(counts, cfg.draft_vocab) if cfg.draft_vocab else None
+        vocab = source.draft_vocab() if cfg.draft_vocab else None
         if native:
             # The head lives in the checkpoint (a native MTP release, or a quantized one
             # written by `mtpkit quantize --head`): the result is that checkpoint with the
@@ -243,7 +250,7 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
     return head
 
 
-class _online_source:
+class _OnlineSource:
     """Batches of token chunks; the trunk runs on each (the head trains on its outputs)."""
 
     def __init__(self, cfg, model, tok, files, rank, world, skip) -> None:
@@ -272,8 +279,12 @@ class _online_source:
     def loss(self, batch, head):
         return distill_loss(self.model, batch["ids"], self.cfg.draft_depth, head)
 
+    def draft_vocab(self) -> list[int]:
+        """The most frequent tokens of the chunks trained on, most frequent first."""
+        return top_tokens(self.counts, self.cfg.draft_vocab)
 
-class _cached_source:
+
+class _CachedSource:
     """Batches from a feature cache (built first when missing): epochs at head cost only."""
 
     def __init__(self, cfg, model, tok, files, rank, world, step) -> None:
@@ -281,20 +292,22 @@ class _cached_source:
 
         self.cfg, self.model, self.skip = cfg, model, 0
         tokens = cfg.tokens or 10**6
-        if cfg.draft_vocab:
-            counts = features.count_tokens(tok, files, cfg.seq_len, tokens,
-                                           model.config.vocab_size)
-            vocab = top_tokens(counts, cfg.draft_vocab)
-        else:
-            vocab = list(range(model.config.vocab_size))
-        key = features.cache_key(cfg.model, files, cfg.seq_len, vocab, cfg.top_k, tokens,
-                                 model.mtp.spec.trunk_hidden)
-        say = (lambda s, n: print(f"features: shard {s}/{n}", file=sys.stderr, flush=True)) \
-            if rank == 0 else None
-        self.cache = features.build(model, tok, files, cfg.features, seq_len=cfg.seq_len,
-                                    tokens=tokens, vocab=vocab, top_k=cfg.top_k, key=key,
-                                    batch_size=cfg.batch_size, device=cfg.device, rank=rank,
-                                    world=world, progress=say)
+        key = features.cache_key(cfg.model, files, cfg.seq_len, cfg.draft_vocab, cfg.top_k,
+                                 tokens, model.mtp.spec.trunk_hidden)
+        self.cache = features.open_matching(cfg.features, key)
+        if self.cache is None:
+            if cfg.draft_vocab:
+                counts = features.count_tokens(tok, files, cfg.seq_len, tokens,
+                                               model.config.vocab_size)
+                vocab = top_tokens(counts, cfg.draft_vocab)
+            else:
+                vocab = list(range(model.config.vocab_size))
+            say = (lambda s, n: print(f"features: shard {s}/{n}", file=sys.stderr,
+                                      flush=True)) if rank == 0 else None
+            self.cache = features.build(model, tok, files, cfg.features, seq_len=cfg.seq_len,
+                                        tokens=tokens, vocab=vocab, top_k=cfg.top_k, key=key,
+                                        batch_size=cfg.batch_size, device=cfg.device,
+                                        rank=rank, world=world, progress=say)
         self.vocab = self.cache.vocab.to(cfg.device)
         per_epoch = len(self.cache) // (cfg.batch_size * world)
         if per_epoch == 0:
@@ -316,6 +329,10 @@ class _cached_source:
         from .features import cached_loss
 
         return cached_loss(self.model, batch, self.cfg.draft_depth, self.vocab, head)
+
+    def draft_vocab(self) -> list[int]:
+        """The cache's draft vocabulary, most frequent first."""
+        return self.cache.meta["draft_vocab"]
 
 
 def _rank_weight_diff(head) -> float:

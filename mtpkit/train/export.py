@@ -124,9 +124,8 @@ def mimo_tensors(model) -> dict[str, torch.Tensor]:
 
 def export_head(model_path, head, out, fmt: str = "mimo", dtype: str = "bfloat16") -> Path:
     """Write trunk + head as one checkpoint another engine loads with MTP (see formats)."""
-    from ..checkpoint import open_checkpoint
     from ..engine.loader import hf_config_of, load_model
-    from ..outputs import replace_dir
+    from ..outputs import publish
     from .heads import write_draft_vocab
 
     if fmt not in EXPORT_FORMATS:
@@ -144,7 +143,7 @@ def export_head(model_path, head, out, fmt: str = "mimo", dtype: str = "bfloat16
     if dtype not in cast:
         raise ValueError(f"export-head: --dtype must be one of {', '.join(cast)}, got {dtype!r}")
     src = Path(model_path)
-    config = dict(hf_config_of(open_checkpoint(src)))
+    config = dict(hf_config_of(loaded.checkpoint))
     for key in ("quantization_config", "mtp_num_hidden_layers", "attention_bias", "mlp_bias",
                 "head_dim", "pretraining_tp"):
         config.pop(key, None)
@@ -166,7 +165,7 @@ def export_head(model_path, head, out, fmt: str = "mimo", dtype: str = "bfloat16
         vocab = getattr(loaded, "draft_vocab", None)
         if vocab is not None:
             write_draft_vocab(stage, [int(t) for t in vocab])
-        replace_dir(stage, out)
+        publish(stage, out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return out

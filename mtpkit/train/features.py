@@ -38,9 +38,13 @@ META = "meta.json"
 VERSION = 1
 
 
-def cache_key(model_path: str, files: list[str], seq_len: int, vocab: list[int],
+def cache_key(model_path: str, files: list[str], seq_len: int, draft_vocab: int,
               top_k: int, tokens: int, trunk_hidden: str) -> str:
-    """What a cache depends on, hashed: trunk files (names, sizes, times), data, settings."""
+    """What a cache depends on, hashed: trunk files (names, sizes, times), data, settings.
+
+    The draft vocabulary enters as its size: its tokens follow from the data, the tokenizer
+    (a trunk file) and that size, so a cache can be recognised without re-counting them.
+    """
     h = hashlib.sha256()
     p = Path(model_path)
     trunk_files = sorted(p.rglob("*")) if p.is_dir() else [p]
@@ -52,8 +56,7 @@ def cache_key(model_path: str, files: list[str], seq_len: int, vocab: list[int],
     for f in files:
         st = Path(f).stat()
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-    h.update(json.dumps([seq_len, top_k, tokens, trunk_hidden, VERSION]).encode())
-    h.update(torch.tensor(vocab, dtype=torch.int64).numpy().tobytes())
+    h.update(json.dumps([seq_len, top_k, tokens, draft_vocab, trunk_hidden, VERSION]).encode())
     return h.hexdigest()[:24]
 
 
@@ -104,6 +107,20 @@ class FeatureCache:
             yield {k: torch.cat(v) for k, v in parts.items()}
 
 
+def open_matching(root: str | os.PathLike, key: str) -> FeatureCache | None:
+    """The finished cache at ``root`` built with ``key``; None when there is none yet."""
+    root = Path(root)
+    if not (root / META).exists():
+        return None
+    cache = FeatureCache.open(root)
+    if cache.meta.get("key") != key:
+        raise DataError(
+            f"{root}: this feature cache was built from another trunk, data or settings; "
+            "remove it or pass another --features folder"
+        )
+    return cache
+
+
 @torch.no_grad()
 def teacher_features(model, ids: torch.Tensor, vocab: torch.Tensor, top_k: int,
                      trunk_hidden: str) -> dict[str, torch.Tensor]:
@@ -131,13 +148,8 @@ def build(model, tokenizer, files: list[str], root: str | os.PathLike, *, seq_le
     torchrun each rank computes the shards ``i % world == rank``; the caller synchronises.
     """
     root = Path(root)
-    if (root / META).exists():
-        cache = FeatureCache.open(root)
-        if cache.meta.get("key") != key:
-            raise DataError(
-                f"{root}: this feature cache was built from another trunk, data or settings; "
-                "remove it or pass another --features folder"
-            )
+    cache = open_matching(root, key)
+    if cache is not None:
         return cache
     root.mkdir(parents=True, exist_ok=True)
     want = max(1, tokens // seq_len)
@@ -213,23 +225,19 @@ def cached_loss(model, batch: dict[str, torch.Tensor], depth: int, vocab: torch.
     position when the head's draft (mapped back to a token id) is the trunk's greedy token
     over the WHOLE vocabulary, as verification would judge it.
     """
-    spec = model.mtp.spec
+    from .calibrate import chained_head_logits
+
     head = head if head is not None else model.mtp
     dev = model.lm_head.weight.device
     ids = batch["ids"].to(dev, torch.long)
     hidden = batch["hidden"].to(dev, torch.float32)
-    t = ids.shape[1]
     w = model.lm_head.weight.detach().index_select(0, vocab.to(dev))
     total = torch.zeros((), device=dev)
     agree = count = 0
-    for d in range(1, depth + 1):
-        n = t - 1 - d
-        if n <= 0:
-            break
-        cos, sin = model.rotary.cos_sin(torch.arange(n, device=dev))
-        emb = model.model.embed_tokens(ids[:, d: d + n]).detach()
-        post, pre = head(emb, hidden[:, :n], d - 1, cos, sin, None)
-        logp = torch.log_softmax(torch.nn.functional.linear(post, w).float(), -1)
+    for d, n, logits in chained_head_logits(
+            model, head, ids, hidden, depth,
+            lambda post: torch.nn.functional.linear(post, w).float()):
+        logp = torch.log_softmax(logits, -1)
         idx = batch["top_idx"][:, d: d + n].to(dev, torch.long)
         p = batch["top_logp"][:, d: d + n].to(dev, torch.float32).exp()
         total = total - (p * logp.gather(-1, idx)).sum(-1).mean()
@@ -237,5 +245,4 @@ def cached_loss(model, batch: dict[str, torch.Tensor], depth: int, vocab: torch.
             draft = vocab.to(dev)[logp.argmax(-1)]
             agree = int((draft == batch["argmax"][:, d: d + n].to(dev)).sum())
             count = draft.numel()
-        hidden = post if spec.chain_hidden == "post_norm" else pre
     return total, agree, count

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..checkpoint.errors import CheckpointError
-from ..outputs import replace_dir
+from ..outputs import publish
 
 HEAD_FILE = "mtp_head.safetensors"
 HEAD_CONFIG = "head_config.json"
@@ -94,7 +94,7 @@ def save_head(
         (tmp / HEAD_CONFIG).write_text(json.dumps(config, indent=2))
         if draft_vocab:
             write_draft_vocab(tmp, draft_vocab)
-        replace_dir(tmp, out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
