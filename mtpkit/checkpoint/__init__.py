@@ -8,7 +8,7 @@ from pathlib import Path
 from .errors import CheckpointError
 from .hf import PICKLE_SUFFIXES, open_hf
 
-__all__ = ["CheckpointError", "open_checkpoint"]
+__all__ = ["CheckpointError", "is_gguf", "open_checkpoint"]
 
 
 def open_checkpoint(path: str | os.PathLike):
@@ -20,7 +20,7 @@ def open_checkpoint(path: str | os.PathLike):
             "arbitrary code); convert it to safetensors on a trusted machine, or use the "
             "model's safetensors or GGUF release."
         )
-    if p.suffix == ".gguf" or (p.is_file() and _magic(p) == b"GGUF"):
+    if is_gguf(p):
         from .gguf import open_gguf
 
         return open_gguf(p)
@@ -34,6 +34,12 @@ def open_checkpoint(path: str | os.PathLike):
     return open_hf(p)
 
 
-def _magic(p: Path) -> bytes:
-    with open(p, "rb") as f:
-        return f.read(4)
+def is_gguf(path: str | os.PathLike) -> bool:
+    """True for a path named .gguf or a file that starts with the GGUF magic."""
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return True
+    if p.is_file():
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    return False

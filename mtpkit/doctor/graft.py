@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint import is_gguf
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.runtime_names import IgnoreStatus, describe, ignore_list_for, ignore_status
 from ..outputs import publish
@@ -50,14 +51,6 @@ class GraftResult:
 # ---------------------------------------------------------------------------------------------
 # output handling
 
-
-def _is_gguf(p: Path) -> bool:
-    if p.suffix == ".gguf":
-        return True
-    if p.is_file():
-        with open(p, "rb") as f:
-            return f.read(4) == b"GGUF"
-    return False
 
 
 def _check_paths(inputs: list[Path], out: Path, force: bool) -> None:
@@ -96,7 +89,7 @@ def fix_config(path, out, engines=None, force: bool = False) -> GraftResult:
     block_count and nextn key) agree with its tensors; then run doctor on it."""
     src, out = Path(path), Path(out)
     _check_paths([src], out, force)
-    if _is_gguf(src):
+    if is_gguf(src):
         return _fix_gguf(src, out, engines)
     if not src.is_dir():
         raise CheckpointError(f"{src}: not a checkpoint folder or .gguf file")
@@ -282,7 +275,7 @@ def graft(src, dst, out, precision: str = "keep", engines=None, force: bool = Fa
     if precision not in ("keep", "match"):
         raise ValueError(f"--mtp-precision must be keep or match, got {precision!r}")
     _check_paths([src, dst], out, force)
-    if _is_gguf(dst):
+    if is_gguf(dst):
         if out.suffix != ".gguf":
             raise ValueError(f"--into is a GGUF file: --out must end in .gguf, got {out}")
         return _graft_into_gguf(src, dst, out, precision, engines)
@@ -295,7 +288,7 @@ def _source_head(src: Path, dst_lay: HFLayout) -> tuple[dict, str]:
     """The source's MTP tensors in the destination's layout, and a description."""
     import torch
 
-    if _is_gguf(src):
+    if is_gguf(src):
         from ..checkpoint.gguf import open_gguf
 
         g = open_gguf(src)
@@ -522,7 +515,7 @@ def _graft_into_gguf(src: Path, dst: Path, out: Path, precision: str, engines) -
     n_trunk = len(d["trunk_blocks"])
     tmp_src = None
     try:
-        if _is_gguf(src):
+        if is_gguf(src):
             src_gguf = src
         else:
             tmp_src = _hf_head_as_gguf(src, arch, n_trunk, out.parent)

@@ -146,6 +146,8 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
     random.Random(cfg.seed).shuffle(train_files)
     new = cfg.init == "scratch" and cfg.head is None
     native = cfg.init == "head" and cfg.head is None  # recalibrating the checkpoint's own head
+    if native:
+        _check_native_out(Path(cfg.model), Path(cfg.out))
     loaded = load_model(cfg.model, device=cfg.device, dtype="float32",
                         head=cfg.head, new_head_layers=1 if new else 0)
     model, tok = loaded.model, loaded.tokenizer
@@ -243,11 +245,25 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
 
             result = write_with_head(model, cfg.model, out, vocab)
             summary["doctor"] = result.report.as_dict() if result.report else None
-            (out / "mtpkit_calibration.json").write_text(
-                json.dumps(summary, indent=2, default=str))
+            # A GGUF output is one file: the summary goes beside it.
+            note = (out.with_name(out.name + ".calibration.json") if out.suffix == ".gguf"
+                    else out / "mtpkit_calibration.json")
+            note.write_text(json.dumps(summary, indent=2, default=str))
         else:
             save_head(head, out, summary, vocab)
     return head
+
+
+def _check_native_out(model: Path, out: Path) -> None:
+    """A recalibrated checkpoint keeps its input's format: refuse a mismatched --out early."""
+    from ..checkpoint import is_gguf
+
+    if is_gguf(model) and out.suffix != ".gguf":
+        raise ValueError(f"{model} is a GGUF file and the recalibrated checkpoint is written "
+                         f"as GGUF too: give --out a file name ending in .gguf (got {out})")
+    if not is_gguf(model) and out.suffix == ".gguf":
+        raise ValueError(f"{model} is a checkpoint folder and the recalibrated checkpoint is "
+                         f"written as a folder in the same format: drop .gguf from --out {out}")
 
 
 class _OnlineSource:
