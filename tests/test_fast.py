@@ -147,19 +147,70 @@ def test_aoti_programs_are_cached(engine_factory, tmp_path):
     assert third.stats.compiled == 1
 
 
-def test_quantized_models_keep_the_eager_engine(checkpoint_factory, tmp_path, capsys):
-    """Quantized weights are refused (their compiled steps are not bit-identical yet)."""
+@pytest.fixture(scope="module")
+def quantized_engines(checkpoint_factory, tmp_path_factory):
+    """scheme -> Engine of the tiny Llama quantized with it (w8a16 per channel, w4a16 g32)."""
     import warnings
 
     from mtpkit.engine.loader import load_model
     from mtpkit.quant.pack import Scheme
     from mtpkit.quant.quantize import quantize_checkpoint
 
-    out = tmp_path / "w8"
-    quantize_checkpoint(checkpoint_factory("llama"), out, Scheme("w8a16", None, True))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = Engine(load_model(out, tokenizer=False).model)
-    assert "quantized" in unsupported_reason(engine.model)
-    assert enable_fast(engine, "eager") is None
-    assert "--compile ignored" in capsys.readouterr().err
+    engines = {}
+    for name, group in (("w8a16", None), ("w4a16", 32)):
+        out = tmp_path_factory.mktemp(name) / "m"
+        quantize_checkpoint(checkpoint_factory("llama"), out, Scheme(name, group, True),
+                            mtp="same")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engines[name] = Engine(load_model(out, tokenizer=False).model)
+    return engines
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
+def test_quantized_verify_rows_equal_one_token_steps(scheme, quantized_engines):
+    """On int8/int4 trunks every row of a verification equals, bit for bit, the one-token
+    decode step at its position (the property that makes MTP lossless there)."""
+    from mtpkit.quant.linear import QuantLinear
+
+    engine = quantized_engines[scheme]
+    assert any(isinstance(m, QuantLinear) for m in engine.model.modules())
+    assert unsupported_reason(engine.model) is None
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    pr = dec.programs
+    assert pr.rowwise
+    with torch.inference_mode():
+        dec.prefill(PROMPTS[1], 0)
+        saved = [b.clone() for b in dec.kc + dec.vc]
+        tokens = torch.tensor([[7, 19, 3, 44]])
+        at = len(PROMPTS[1])
+        span = dec.span(at + 64)
+        rows, _ = pr.trunk(tokens, at + torch.arange(4), dec.kc, dec.vc, span, 4)
+        for b, s in zip(dec.kc + dec.vc, saved, strict=True):
+            b.copy_(s)
+        for j in range(4):
+            tok = tokens[:, j : j + 1]
+            one, _ = pr.trunk(torch.cat([tok, tok], 1), torch.tensor([at + j, at + j + 1]),
+                              dec.kc, dec.vc, span, 1)
+            assert torch.equal(one[0, 0], rows[0, j]), f"row {j}"
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
+def test_quantized_models_take_the_fast_path_exactly(scheme, quantized_engines):
+    """int8/int4 trunks decode through the fast path with the eager engine's tokens, k=0..3."""
+    engine = quantized_engines[scheme]
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    for prompt in PROMPTS:
+        want, _ = _eager(engine, prompt, 0)
+        for k in range(4):
+            assert _fast(dec, prompt, k)[0] == want, f"k={k} prompt={prompt}"
+
+
+def test_quantized_compiled_programs_stay_exact(quantized_engines):
+    """Compiled int8 programs (library GEMMs, row-wise attention) keep MTP lossless."""
+    engine = quantized_engines["w8a16"]
+    dec = FastDecoder(engine.model, backend="inductor", mode="default", max_len=128)
+    for prompt in PROMPTS:
+        want, _ = _eager(engine, prompt, 0)
+        assert _fast(dec, prompt, 0)[0] == want
+        assert _fast(dec, prompt, 3)[0] == want

@@ -28,7 +28,9 @@ as plain PyTorch (the reference the compiled ones are tested against). Either wa
 shapes are fixed per ``FastDecoder``, so a generation never compiles anything.
 
 Exactness: greedy output with MTP equals output without MTP (the accept rule and the
-models are those of the eager engine). Sampling is served by the eager engine.
+models are those of the eager engine). On quantized trunks that needs every verified row to
+equal the one-token step bit for bit, so their steps attend row by row and use library GEMM
+kernels (``Programs.rowwise``). Sampling is served by the eager engine.
 """
 
 from __future__ import annotations
@@ -64,12 +66,6 @@ def unsupported_reason(model) -> str | None:
         if len(model.mtp.layers) != 1:
             return "MTP heads with more than one layer are not supported"
         layers += list(model.mtp.layers)
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
-        # Measured on SmolLM2 w8a16: compiled 1-token and k+1-token programs round int8
-        # products differently (kernel choice per shape, multi-row attention), and greedy
-        # output with MTP then differs from output without. The eager engine stays exact.
-        return ("quantized layers: its compiled 1-token and (k+1)-token steps are not yet "
-                "bit-identical on quantized weights, so MTP would not be lossless")
     for layer in layers:
         if not isinstance(layer, PreNormDecoderLayer):
             return f"{type(layer).__name__} layers are not supported (attention + MLP only)"
@@ -84,8 +80,10 @@ def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
 
 
-def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask) -> torch.Tensor:
-    """GQA attention of x [1, T, D] at positions pos [T], writing the static buffers."""
+def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
+               rows: int | None = None) -> torch.Tensor:
+    """GQA attention of x [1, T, D] at positions pos [T], writing the static buffers;
+    ``rows``: attend the first ``rows`` rows one query row at a time (see Programs)."""
     b, t, _ = x.shape
     nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q = attn.q_proj(x)
@@ -108,17 +106,26 @@ def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask) -> torch.Ten
     span = mask.shape[-1]
     g = nh // nkv
     # narrow, not [:span]: a slice would clamp to the buffer and pin the span's length.
-    out = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, hd), kbuf.narrow(2, 0, span),
-                                         vbuf.narrow(2, 0, span), attn_mask=mask)
-    out = out.view(b, nh, t, hd).transpose(1, 2).reshape(b, t, nh * hd)
+    keys, values = kbuf.narrow(2, 0, span), vbuf.narrow(2, 0, span)
+    if rows is None:
+        out = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, hd), keys, values,
+                                             attn_mask=mask).view(b, nh, t, hd)
+    else:
+        # One call per query row, each the same call a one-token step makes (mask rows
+        # j, j+t, .. are row j's); rows past ``rows`` are padding and copy the last.
+        outs = [F.scaled_dot_product_attention(q[:, :, j : j + 1].reshape(b, nkv, g, hd), keys,
+                                               values, attn_mask=mask[j::t]).view(b, nh, 1, hd)
+                for j in range(rows)]
+        out = torch.cat(outs + outs[-1:] * (t - rows), dim=2)
+    out = out.transpose(1, 2).reshape(b, t, nh * hd)
     if gate is not None:
         out = out * torch.sigmoid(gate)
     return attn.o_proj(out)
 
 
-def _block(layer, x, cos, sin, kbuf, vbuf, pos, mask) -> torch.Tensor:
+def _block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows=None) -> torch.Tensor:
     x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, kbuf, vbuf, pos,
-                       mask)
+                       mask, rows)
     return x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
 
 
@@ -143,6 +150,20 @@ class Programs(nn.Module):
         self.model = model
         cfg = model.config
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        # Quantized trunks attend row by row in their steps: the int kernels round
+        # activations to bf16, so any difference between a one-token step and a row of a
+        # (k+1)-token one grows through the layers into different greedy text, and one
+        # batched masked attention call rounds its rows differently from single rows
+        # (SmolLM2 w8a16 compiled, k=3: 7/12 prompts identical batched with autotuned GEMM
+        # templates, 8/12 row by row with templates, 12/12 row by row with library GEMMs).
+        quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        self.rowwise = bool(quantized)
+        # Quantized layers build their packed kernel forms on first use; built here, before
+        # export traces the steps, they are the program's constants rather than attributes
+        # assigned while tracing (which export warns about, layer by layer).
+        with torch.no_grad():
+            for q in quantized:
+                q(torch.zeros(1, q.in_features, dtype=q.dtype, device=q.scale.device))
         self.register_buffer("vocab", None)
         if model.mtp is not None and draft_vocab is not None and len(draft_vocab):
             w = model.lm_head.weight
@@ -153,15 +174,16 @@ class Programs(nn.Module):
             self.draft_head.weight = nn.Parameter(w.detach()[self.vocab].contiguous(),
                                                   requires_grad=False)
 
-    def trunk(self, ids, pos, kc, vc, span=None):
+    def trunk(self, ids, pos, kc, vc, span=None, rows: int | None = None):
         """Trunk states (after, before the final norm) [1, T, D] of tokens [1, T] at pos;
-        attention reads the first len(span) cache slots (all without a span)."""
+        attention reads the first len(span) cache slots (all without a span); ``rows``:
+        attend that many leading rows one at a time (the rest are padding)."""
         m = self.model
         mask = _mask(pos, _span(span, kc[0]), self.groups)
         cos, sin = m.rotary.cos_sin(pos)
         x = m.model.embed_tokens(ids)
         for i, layer in enumerate(m.model.layers):
-            x = _block(layer, x, cos, sin, kc[i], vc[i], pos, mask)
+            x = _block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows)
         return m.model.norm(x), x
 
     def head(self, ids, hidden, pos, hk, hv, span=None, zero_first: bool = False):
@@ -213,13 +235,14 @@ class Programs(nn.Module):
         """
         tokens = torch.cat([token, token], dim=1)
         pos2 = torch.cat([pos, pos + 1])
-        post, _ = self.trunk(tokens, pos2, kc, vc, span)
+        post, _ = self.trunk(tokens, pos2, kc, vc, span, 1 if self.rowwise else None)
         return self.model.logits(post[0]).argmax(-1)[:1]  # both rows, as verify does
 
     def verify(self, tokens, pos0, kc, vc, span):
         """Trunk over tokens [1, T] at pos0 [1].. -> the target's argmaxes [T]."""
-        pos = pos0 + torch.arange(tokens.shape[1], device=tokens.device)
-        post, _ = self.trunk(tokens, pos, kc, vc, span)
+        t = tokens.shape[1]
+        pos = pos0 + torch.arange(t, device=tokens.device)
+        post, _ = self.trunk(tokens, pos, kc, vc, span, t if self.rowwise else None)
         return self.model.logits(post[0]).argmax(-1)
 
     def draft_step(self, token, state, pos, hk, hv, span):
@@ -233,7 +256,7 @@ class Programs(nn.Module):
         t = tokens.shape[1]
         spec = self.model.mtp.spec
         pos = pos0 + torch.arange(t, device=tokens.device)
-        post, pre = self.trunk(tokens, pos, kc, vc, span)
+        post, pre = self.trunk(tokens, pos, kc, vc, span, t if self.rowwise else None)
         target = self.model.logits(post[0]).argmax(-1)  # [T]
         # n = length of the run of drafts equal to the target's choice.
         n = torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)
@@ -300,7 +323,7 @@ def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str) -> s
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
-def _inductor_configs(mode: str) -> dict:
+def _inductor_configs(mode: str, rowwise: bool = False) -> dict:
     # Freezing folds the weights into the program; prepacking lays them out for inductor's
     # own CPU GEMM templates, which max-autotune measures against the library GEMMs.
     cfg = {"freezing": True, "cpp.weight_prepack": True,
@@ -308,6 +331,11 @@ def _inductor_configs(mode: str) -> dict:
            "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
     if mode == "max-autotune":
         cfg["max_autotune"] = True
+    if rowwise:
+        # Library kernels only: they give a row the same result whatever the row count,
+        # where a template autotuned per shape may block the 1-token and (k+1)-token
+        # products differently (see Programs.rowwise).
+        cfg["max_autotune_gemm_backends"] = "ATEN"
     if os.environ.get("MTPKIT_GEMM_BACKENDS"):  # e.g. CPP or ATEN, to compare GEMM choices
         cfg["max_autotune_gemm_backends"] = os.environ["MTPKIT_GEMM_BACKENDS"]
     return cfg
@@ -455,7 +483,8 @@ class FastDecoder:
         # Dynamo reads the freezing flag while tracing, so it is set around the first call
         # (which compiles) rather than passed as a per-compile option. Generation runs in
         # inference mode, and guards compare dispatch keys: the first call must too.
-        with inductor_config.patch(_inductor_configs(self.mode)), torch.inference_mode():
+        with (inductor_config.patch(_inductor_configs(self.mode, self.programs.rowwise)),
+              torch.inference_mode()):
             example = self._example(kind, t)
             torch._dynamo.mark_dynamic(example[-1], 0, min=2 * SPAN_STEP, max=self.max_len)
             fn(*example)
@@ -471,8 +500,8 @@ class FastDecoder:
         if not path.exists():
             import sys
 
-            print(f"note: compiling the {kind} program (T={t}, first run only, about 1.5 "
-                  f"min on 2 cores) into {path.parent}", file=sys.stderr)
+            print(f"note: compiling the {kind} program (T={t}, first run only, 1.5-4 min "
+                  f"on 2 cores) into {path.parent}", file=sys.stderr)
             path.parent.mkdir(parents=True, exist_ok=True)
             ep = torch.export.export(step, example, strict=False,
                                      dynamic_shapes=self._dynamic_shapes(example))
@@ -480,7 +509,8 @@ class FastDecoder:
             os.close(fd)
             try:
                 torch._inductor.aoti_compile_and_package(
-                    ep, package_path=tmp, inductor_configs=_inductor_configs(self.mode))
+                    ep, package_path=tmp,
+                    inductor_configs=_inductor_configs(self.mode, self.programs.rowwise))
                 os.replace(tmp, path)  # atomic: a concurrent run sees all or nothing
             finally:
                 if os.path.exists(tmp):
@@ -565,8 +595,10 @@ class FastDecoder:
             if res.finish_reason is not None:
                 return
             if k == 0:
+                # Decode and round read the same span at a position (k <= 31), so a row's
+                # attention call is the same whichever step computes it.
                 nxt = self.program("decode")(pending.view(1, 1), torch.tensor([at], device=dev),
-                                             self.kc, self.vc, self.span(at + 1))
+                                             self.kc, self.vc, self.span(at + SPAN_STEP))
                 m.record(0, 0)
                 emitted = [int(nxt)]
                 at += 1
@@ -580,7 +612,7 @@ class FastDecoder:
             tokens = torch.cat([pending.view(1), drafts[:kk]])[None]
             out, probs = self.program("round", t, k)(
                 tokens, torch.tensor([at], device=dev), self.kc, self.vc, self.hk, self.hv,
-                self.span(at + 2 * k + 2))
+                self.span(at + max(SPAN_STEP, 2 * k + 2)))
             vals = out.tolist()  # the one host read per round
             n = vals[t]
             # Counted as the eager engine does: no more drafts than tokens still allowed.
