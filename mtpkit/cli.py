@@ -254,6 +254,9 @@ def _eval_args(sub) -> None:
                    help="draft over the whole vocabulary, not the head's frequent-token subset")
     draft_vocab_size_arg(p)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None,
+                   help="float32 (CPU default) or bfloat16 (CUDA default); acceptance "
+                        "measured on a bf16 trunk differs from the fp32 trunk's")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval)
 
@@ -266,7 +269,7 @@ def _cmd_eval(a) -> int:
     if a.num_draft_tokens < 1:
         raise ValueError(f"--num-draft-tokens must be >= 1, got {a.num_draft_tokens}")
     files = [str(f) for f in list_files(a.data)]
-    session = Session.load(a.model, head=a.head, device=a.device,
+    session = Session.load(a.model, head=a.head, device=a.device, dtype=a.dtype,
                            full_draft_vocab=a.full_draft_vocab,
                            draft_vocab_size=a.draft_vocab_size)
     if not session.engine.has_mtp:
@@ -338,6 +341,7 @@ _TOOL_MODULES = [
     "mtpkit.doctor.cli",  # doctor, graft, fix-config
     "mtpkit.serve.cli",  # serve
     "mtpkit.bench.cli",  # bench
+    "mtpkit.cachecmd",  # cache
 ]
 
 

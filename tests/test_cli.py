@@ -105,3 +105,36 @@ def test_bad_arguments_give_one_clear_line(model_dir, capsys, args, message):
 def test_missing_model_is_a_clear_error(tmp_path, capsys):
     code, _, err = _run(capsys, "generate", "hi", "--model", str(tmp_path / "nope"))
     assert code == 2 and "no such checkpoint" in err
+
+
+def test_cache_lists_and_clears_only_what_it_is_asked_to(tmp_path, monkeypatch, capsys):
+    """`mtpkit cache` lists programs and converted models; `clear` removes the chosen ones."""
+    import os
+    import time
+
+    root, compiled = tmp_path / "cache", tmp_path / "cache" / "compiled"
+    monkeypatch.setenv("MTPKIT_CACHE", str(root))
+    monkeypatch.setenv("MTPKIT_COMPILE_CACHE", str(compiled))
+    compiled.mkdir(parents=True)
+    old, new = compiled / "round-old.pt2", compiled / "decode-new.pt2"
+    old.write_bytes(b"x" * 3000)
+    new.write_bytes(b"x" * 5000)
+    week_ago = time.time() - 7 * 86400
+    os.utime(old, (week_ago, week_ago))
+    model = root / "smollm2-135m-instruct-q4_1-1"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"y" * 1000)
+    keep = root / "notes.txt"  # not ours to delete
+    keep.write_text("user file")
+
+    code, out, _ = _run(capsys, "cache")
+    assert code == 0 and "3 entries" in out
+    code, out, _ = _run(capsys, "cache", "clear", "--older-than", "1")
+    assert code == 0 and "removed 1 entries" in out
+    assert not old.exists() and new.exists() and model.exists()
+    code, out, _ = _run(capsys, "cache", "clear", "--what", "all")
+    assert code == 0 and "removed 2 entries" in out
+    assert not new.exists() and not model.exists() and keep.read_text() == "user file"
+    code, _, err = _run(capsys, "cache", "clear", "--older-than", "-1")
+    assert code == 2 and "--older-than must be >= 0" in err

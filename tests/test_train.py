@@ -129,6 +129,15 @@ def test_eval_cli_teacher_and_generate(setup, trained, capsys):
                  "--max-tokens", "24"])
     gen = json.loads(capsys.readouterr().out)
     assert code == 0 and gen["identical_to_no_mtp"] is True and gen["num_drafts"] > 0
+    # --dtype float32 is the CPU default (same numbers); an unknown name is a clear error.
+    code = main(["eval", "--model", str(trunk), "--head", str(trained), "--data", *held,
+                 "-k", "2", "--json", "--max-tokens", "1000", "--dtype", "float32"])
+    again = json.loads(capsys.readouterr().out)
+    assert code == 0 and again.pop("seconds") > 0
+    assert again == {k: v for k, v in teacher.items() if k != "seconds"}
+    assert main(["eval", "--model", str(trunk), "--head", str(trained), "--data", *held,
+                 "--dtype", "float8"]) == 2
+    assert "--dtype 'float8' is not one of" in capsys.readouterr().err
 
 
 def test_eval_draft_vocab_size_drafts_from_the_most_frequent_tokens(setup, trained, capsys):

@@ -1,0 +1,105 @@
+"""`mtpkit cache`: what mtpkit keeps in the user's cache, and clearing it.
+
+Compiled programs embed their model's weights (300-800 MB each for SmolLM2) and are keyed by
+model, shapes, draft length, thread count, torch version and mtpkit's fast-path source, so
+every new head, trunk or upgrade adds a set and nothing ever removes the old ones.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Entry:
+    """One cached item: a compiled program file or a converted model folder."""
+
+    kind: str  # "compiled" or "model"
+    path: Path
+    bytes: int
+    mtime: float
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def entries() -> list[Entry]:
+    """Every compiled program and converted model in the caches, oldest first."""
+    from .builtin import cache_dir
+    from .engine.fast import default_cache_dir
+
+    found: list[Entry] = []
+    compiled = default_cache_dir()
+    if compiled.is_dir():
+        for f in compiled.glob("*.pt2"):
+            if f.is_file():
+                found.append(Entry("compiled", f, f.stat().st_size, f.stat().st_mtime))
+    models = cache_dir()
+    if models.is_dir():
+        for d in models.iterdir():
+            # Converted models are folders with a config.json; the compiled dir is not one.
+            if d.is_dir() and (d / "config.json").exists() and d != compiled:
+                found.append(Entry("model", d, _size(d), (d / "config.json").stat().st_mtime))
+    return sorted(found, key=lambda e: e.mtime)
+
+
+def select(found: list[Entry], what: str, older_than_days: float | None) -> list[Entry]:
+    """The entries `clear` removes: of kind ``what`` (compiled, models, all), old enough."""
+    kinds = {"compiled": {"compiled"}, "models": {"model"}, "all": {"compiled", "model"}}[what]
+    cutoff = None if older_than_days is None else time.time() - older_than_days * 86400
+    return [e for e in found if e.kind in kinds and (cutoff is None or e.mtime < cutoff)]
+
+
+def add_parser(sub) -> None:
+    """Register `cache`."""
+    p = sub.add_parser(
+        "cache", help="list or clear compiled programs and converted models",
+        description="List what mtpkit keeps in its cache (compiled programs of --compile "
+                    "aoti, the converted built-in model), or clear it.")
+    p.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
+    p.add_argument("--what", choices=["compiled", "models", "all"], default="compiled",
+                   help="clear: compiled programs (default), converted models, or both")
+    p.add_argument("--older-than", type=float, default=None, metavar="DAYS",
+                   help="clear: only entries built more than DAYS days ago")
+    p.set_defaults(func=run)
+
+
+def run(a) -> int:
+    """List or clear the caches."""
+    if a.older_than is not None and a.older_than < 0:
+        raise ValueError(f"--older-than must be >= 0 days, got {a.older_than}")
+    found = entries()
+    if a.action == "list":
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="mtpkit cache")
+        for col in ("kind", "path", "size", "built"):
+            table.add_column(col, overflow="fold")
+        for e in found:
+            table.add_row(e.kind, str(e.path), f"{e.bytes / 1e6:,.0f} MB",
+                          time.strftime("%Y-%m-%d %H:%M", time.localtime(e.mtime)))
+        Console().print(table)
+        total = sum(e.bytes for e in found)
+        print(f"{len(found)} entries, {total / 1e9:.2f} GB")
+        return 0
+    gone = select(found, a.what, a.older_than)
+    freed = 0
+    for e in gone:
+        # Files go at once; folders are renamed aside first so a half-deleted model folder
+        # is never mistaken for a converted one.
+        if e.path.is_dir():
+            aside = e.path.with_name(f".{e.path.name}.deleting")
+            e.path.rename(aside)
+            shutil.rmtree(aside)
+        else:
+            e.path.unlink(missing_ok=True)
+        freed += e.bytes
+    print(f"removed {len(gone)} entries, {freed / 1e9:.2f} GB")
+    return 0
