@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -71,6 +72,11 @@ def _cmd_generate(a) -> int:
     params.validate()
     if a.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {a.num_draft_tokens}")
+    busy = None
+    if a.compare and hasattr(os, "getloadavg"):
+        from .bench.common import busy_cpu
+
+        busy = busy_cpu(list(os.getloadavg()), os.cpu_count())
     t0 = time.perf_counter()
     session = Session.load(a.model, head=a.head, device=a.device, dtype=a.dtype,
                            full_draft_vocab=a.full_draft_vocab, compile=a.compile,
@@ -105,6 +111,7 @@ def _cmd_generate(a) -> int:
         report["speedup"] = (out.metrics.tokens_per_s / base.metrics.tokens_per_s
                              if base.metrics.tokens_per_s else None)
         report["identical_to_baseline"] = base.token_ids == out.token_ids
+        report["busy_cpu_warning"] = busy
     if a.json:
         print(json.dumps(report, indent=2))
     else:
@@ -117,6 +124,8 @@ def _cmd_generate(a) -> int:
             same = "identical" if report["identical_to_baseline"] else "DIFFERENT"
             print(f"without MTP: {report['baseline_tokens_per_s']:.1f} tok/s; speed-up "
                   f"{report['speedup']:.2f}x; output {same}", file=sys.stderr)
+            if busy:
+                print(f"warning: {busy}", file=sys.stderr)
     return 0
 
 

@@ -39,6 +39,20 @@ def test_generate_json_and_compare(model_dir, capsys):
     assert len(m["per_position_acceptance_rate"]) == 3
 
 
+@pytest.mark.parametrize("load,warned", [(0.1, False), (7.5, True)])
+def test_generate_compare_warns_when_the_cpu_is_busy(model_dir, capsys, monkeypatch, load,
+                                                     warned):
+    """A speed-up measured beside other work says so (the load average decides)."""
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    code, _, err = _run(capsys, "generate", "abc", "--model", str(model_dir), "--max-tokens",
+                        "8", "--compare")
+    assert code == 0 and "speed-up" in err
+    assert ("load average 7.5 on 2 cores" in err) == warned
+
+
 def test_generate_compiled_path_matches_eager(model_dir, capsys):
     """--compile (eager programs here: CI time) gives the text of the eager engine."""
     _, want, _ = _run(capsys, "generate", "def f(x):", "--model", str(model_dir), "--json",

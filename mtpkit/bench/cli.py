@@ -149,11 +149,11 @@ def _encode(session, prompts) -> list[list[int]]:
 
 def _load_warning(con, env: dict) -> None:
     # A busy machine slows every engine unevenly; say so next to the numbers.
-    load = env.get("load_average")
-    if load and env.get("cpu_count") and load[0] > 0.75 * env["cpu_count"]:
-        con.print(f"[yellow]warning: load average {load[0]:.1f} on {env['cpu_count']} cores "
-                  "when the run started: other work competed for the CPU; these figures are "
-                  "not representative[/yellow]")
+    from .common import busy_cpu
+
+    note = busy_cpu(env.get("load_average"), env.get("cpu_count"))
+    if note:
+        con.print(f"[yellow]warning: when the run started, {note}[/yellow]")
 
 
 def _positive(value: int, option: str) -> int:
