@@ -23,9 +23,7 @@ class Entry:
     mtime: float
 
 
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
+def _folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
@@ -39,13 +37,15 @@ def entries() -> list[Entry]:
     if compiled.is_dir():
         for f in compiled.glob("*.pt2"):
             if f.is_file():
-                found.append(Entry("compiled", f, f.stat().st_size, f.stat().st_mtime))
+                st = f.stat()
+                found.append(Entry("compiled", f, st.st_size, st.st_mtime))
     models = cache_dir()
     if models.is_dir():
         for d in models.iterdir():
-            # Converted models are folders with a config.json; the compiled dir is not one.
-            if d.is_dir() and (d / "config.json").exists() and d != compiled:
-                found.append(Entry("model", d, _size(d), (d / "config.json").stat().st_mtime))
+            # Converted models are the folders with a config.json (the compiled dir has none).
+            if (d / "config.json").is_file():
+                found.append(Entry("model", d, _folder_bytes(d),
+                                   (d / "config.json").stat().st_mtime))
     return sorted(found, key=lambda e: e.mtime)
 
 
