@@ -1,16 +1,21 @@
 """`mtpkit cache`: what mtpkit keeps in the user's cache, and clearing it.
 
 Compiled programs embed their model's weights (300-800 MB each for SmolLM2) and are keyed by
-model, shapes, draft length, thread count, torch version and mtpkit's fast-path source, so
-every new head, trunk or upgrade adds a set and nothing ever removes the old ones.
+model, shapes, draft length, thread count, torch version and mtpkit's source, so every new
+head, trunk or upgrade adds a set. Building one prunes the programs used least recently
+beyond a cap (``MTPKIT_COMPILE_CACHE_GB``, default 10); ``clear`` removes them at will.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+DEFAULT_COMPILED_GB = 10.0  # cap on compiled programs unless $MTPKIT_COMPILE_CACHE_GB says
 
 
 @dataclass
@@ -27,18 +32,23 @@ def _folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def entries() -> list[Entry]:
-    """Every compiled program and converted model in the caches, oldest first."""
-    from .builtin import cache_dir
-    from .engine.fast import default_cache_dir
-
-    found: list[Entry] = []
-    compiled = default_cache_dir()
-    if compiled.is_dir():
-        for f in compiled.glob("*.pt2"):
+def _programs(folder: Path) -> list[Entry]:
+    found = []
+    if folder.is_dir():
+        for f in folder.glob("*.pt2"):
             if f.is_file():
                 st = f.stat()
                 found.append(Entry("compiled", f, st.st_size, st.st_mtime))
+    return found
+
+
+def entries() -> list[Entry]:
+    """Every compiled program and converted model in the caches, least recently used first
+    (a program's mtime is its last load, a model's its conversion)."""
+    from .builtin import cache_dir
+    from .engine.fast import default_cache_dir
+
+    found = _programs(default_cache_dir())
     models = cache_dir()
     if models.is_dir():
         for d in models.iterdir():
@@ -47,6 +57,43 @@ def entries() -> list[Entry]:
                 found.append(Entry("model", d, _folder_bytes(d),
                                    (d / "config.json").stat().st_mtime))
     return sorted(found, key=lambda e: e.mtime)
+
+
+def compiled_cap_bytes() -> int | None:
+    """The size compiled programs are kept under: $MTPKIT_COMPILE_CACHE_GB (0: no cap)."""
+    raw = os.environ.get("MTPKIT_COMPILE_CACHE_GB", "").strip()
+    try:
+        gb = float(raw) if raw else DEFAULT_COMPILED_GB
+    except ValueError:
+        raise ValueError(f"MTPKIT_COMPILE_CACHE_GB must be a number of GB (0 for no cap), "
+                         f"got {raw!r}") from None
+    return None if gb <= 0 else int(gb * 1e9)
+
+
+def prune_compiled(folder: Path, cap: int | None, keep: set[Path]) -> list[Entry]:
+    """Remove the compiled programs in ``folder`` used least recently until the rest fit in
+    ``cap`` bytes; programs in ``keep`` (those this process uses) stay whatever their size."""
+    if cap is None:
+        return []
+    # A program's mtime is its last use: loading one touches it (FastDecoder).
+    programs = sorted(_programs(folder), key=lambda e: e.mtime)
+    total = sum(e.bytes for e in programs)
+    keep = {p.resolve() for p in keep}
+    gone = []
+    for e in programs:  # oldest first
+        if total <= cap:
+            break
+        if e.path.resolve() in keep:
+            continue
+        e.path.unlink(missing_ok=True)
+        total -= e.bytes
+        gone.append(e)
+    if gone:
+        print(f"note: removed {len(gone)} compiled programs unused the longest "
+              f"({sum(e.bytes for e in gone) / 1e9:.1f} GB) to keep the cache under "
+              f"{cap / 1e9:g} GB (set MTPKIT_COMPILE_CACHE_GB to change, 0 for no cap)",
+              file=sys.stderr)
+    return gone
 
 
 def select(found: list[Entry], what: str, older_than_days: float | None) -> list[Entry]:
@@ -66,7 +113,8 @@ def add_parser(sub) -> None:
     p.add_argument("--what", choices=["compiled", "models", "all"], default="compiled",
                    help="clear: compiled programs (default), converted models, or both")
     p.add_argument("--older-than", type=float, default=None, metavar="DAYS",
-                   help="clear: only entries built more than DAYS days ago")
+                   help="clear: only entries unused for more than DAYS days (models: "
+                        "converted more than DAYS days ago)")
     p.set_defaults(func=run)
 
 
@@ -80,14 +128,17 @@ def run(a) -> int:
         from rich.table import Table
 
         table = Table(title="mtpkit cache")
-        for col in ("kind", "path", "size", "built"):
+        for col in ("kind", "path", "size", "last used"):
             table.add_column(col, overflow="fold")
         for e in found:
             table.add_row(e.kind, str(e.path), f"{e.bytes / 1e6:,.0f} MB",
                           time.strftime("%Y-%m-%d %H:%M", time.localtime(e.mtime)))
         Console().print(table)
         total = sum(e.bytes for e in found)
-        print(f"{len(found)} entries, {total / 1e9:.2f} GB")
+        cap = compiled_cap_bytes()
+        print(f"{len(found)} entries, {total / 1e9:.2f} GB; compiled programs are kept under "
+              + ("no cap" if cap is None else f"{cap / 1e9:g} GB")
+              + " (MTPKIT_COMPILE_CACHE_GB)")
         return 0
     gone = select(found, a.what, a.older_than)
     freed = 0

@@ -152,3 +152,34 @@ def test_cache_lists_and_clears_only_what_it_is_asked_to(tmp_path, monkeypatch, 
     assert not new.exists() and not model.exists() and keep.read_text() == "user file"
     code, _, err = _run(capsys, "cache", "clear", "--older-than", "-1")
     assert code == 2 and "--older-than must be >= 0" in err
+
+
+def test_compiled_cache_cap_prunes_least_recently_used(tmp_path, monkeypatch, capsys):
+    """Past MTPKIT_COMPILE_CACHE_GB the programs unused the longest go, never those in use;
+    a malformed cap is a clear error."""
+    import os
+
+    from mtpkit.cachecmd import compiled_cap_bytes, prune_compiled
+
+    compiled = tmp_path / "compiled"
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("MTPKIT_COMPILE_CACHE", str(compiled))
+    compiled.mkdir()
+    files = []
+    for i, name in enumerate(["a", "b", "c", "d"]):  # a used longest ago, d most recently
+        f = compiled / f"decode-{name}.pt2"
+        f.write_bytes(b"x" * 1000)
+        os.utime(f, (1000 + i, 1000 + i))
+        files.append(f)
+    monkeypatch.setenv("MTPKIT_COMPILE_CACHE_GB", str(2500 / 1e9))
+    assert compiled_cap_bytes() == 2500
+    gone = prune_compiled(compiled, compiled_cap_bytes(), keep={files[0]})
+    # a is in use, so b and c go; a and d (1000 + 1000 <= 2500) stay.
+    assert [e.path.name for e in gone] == ["decode-b.pt2", "decode-c.pt2"]
+    assert [f.exists() for f in files] == [True, False, False, True]
+    assert "removed 2 compiled programs" in capsys.readouterr().err
+    monkeypatch.setenv("MTPKIT_COMPILE_CACHE_GB", "0")
+    assert compiled_cap_bytes() is None and prune_compiled(compiled, None, set()) == []
+    monkeypatch.setenv("MTPKIT_COMPILE_CACHE_GB", "ten")
+    code, _, err = _run(capsys, "cache")
+    assert code == 2 and "MTPKIT_COMPILE_CACHE_GB must be a number" in err

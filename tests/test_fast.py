@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -127,7 +129,7 @@ def test_inductor_compiles_once(engine_factory):
     assert dec.stats.compiled >= 2
 
 
-def test_aoti_programs_are_cached(engine_factory, tmp_path):
+def test_aoti_programs_are_cached(engine_factory, tmp_path, monkeypatch):
     """An exported program is built once, then loaded by a later decoder."""
     engine = engine_factory("qwen2")
     first = FastDecoder(engine.model, backend="aoti", mode="default", max_len=128,
@@ -135,16 +137,22 @@ def test_aoti_programs_are_cached(engine_factory, tmp_path):
     want = [_eager(engine, p, 2)[0] for p in PROMPTS]
     assert [_fast(first, p, 2)[0] for p in PROMPTS] == want
     assert (first.stats.compiled, first.stats.loaded) == (1, 0)
+    (program,) = tmp_path.glob("*.pt2")
+    os.utime(program, (1, 1))
     second = FastDecoder(engine.model, backend="aoti", mode="default", max_len=128,
                          cache_dir=tmp_path)
     assert [_fast(second, p, 2)[0] for p in PROMPTS] == want
     assert (second.stats.compiled, second.stats.loaded) == (0, 1)
-    # Other weights never reuse a program built for these.
+    assert program.stat().st_mtime > 1  # loading marks it used, for the cache cap
+    # Other weights never reuse a program built for these; with a cap too small for two,
+    # building theirs removes the program used least recently (not the one just built).
+    monkeypatch.setenv("MTPKIT_COMPILE_CACHE_GB", "1e-9")
     other = engine_factory("qwen3")
     third = FastDecoder(other.model, backend="aoti", mode="default", max_len=128,
                         cache_dir=tmp_path)
     third.warmup(2)
     assert third.stats.compiled == 1
+    assert not program.exists() and len(list(tmp_path.glob("*.pt2"))) == 1
 
 
 @pytest.fixture(scope="module")
@@ -197,20 +205,29 @@ def test_quantized_verify_rows_equal_one_token_steps(scheme, quantized_engines):
 
 @pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
 def test_quantized_models_take_the_fast_path_exactly(scheme, quantized_engines):
-    """int8/int4 trunks decode through the fast path with the eager engine's tokens, k=0..3."""
+    """int8/int4 trunks decode through the fast path with the eager engine's tokens, at every
+    draft depth the path serves on them."""
+    from mtpkit.engine.fast import QUANT_ROWS
+
     engine = quantized_engines[scheme]
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
     for prompt in PROMPTS:
         want, _ = _eager(engine, prompt, 0)
-        for k in range(4):
+        for k in range(QUANT_ROWS):
             assert _fast(dec, prompt, k)[0] == want, f"k={k} prompt={prompt}"
 
 
 def test_quantized_compiled_programs_stay_exact(quantized_engines):
-    """Compiled int8 programs (library GEMMs, row-wise attention) keep MTP lossless."""
+    """Compiled int8 programs (one row count for every step, CPU GEMM templates, row-wise
+    attention) keep MTP lossless: every k they serve gives the compiled k = 0 tokens, and
+    a deeper k is a clear error rather than an inexact round."""
+    from mtpkit.engine.fast import QUANT_ROWS
+
     engine = quantized_engines["w8a16"]
-    dec = FastDecoder(engine.model, backend="inductor", mode="default", max_len=128)
+    dec = FastDecoder(engine.model, backend="inductor", mode="max-autotune", max_len=128)
     for prompt in PROMPTS:
-        want, _ = _eager(engine, prompt, 0)
-        assert _fast(dec, prompt, 0)[0] == want
-        assert _fast(dec, prompt, 3)[0] == want
+        want, _ = _fast(dec, prompt, 0)
+        for k in range(1, QUANT_ROWS):
+            assert _fast(dec, prompt, k)[0] == want, f"k={k} prompt={prompt}"
+    with pytest.raises(ValueError, match=f"at most {QUANT_ROWS - 1} tokens per round"):
+        _fast(dec, PROMPTS[0], QUANT_ROWS)

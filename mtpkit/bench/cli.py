@@ -200,6 +200,8 @@ def cmd_offline(a) -> int:
                            full_draft_vocab=a.full_draft_vocab, compile=a.compile,
                            draft_p_min=a.draft_p_min, draft_vocab_size=a.draft_vocab_size)
     if session.engine.fast is not None:
+        for k in ks:  # every k is checked before minutes go into building programs
+            session.engine.fast.check_draft(k)
         for k in ks:  # build or load every program before anything is timed
             session.engine.fast.warmup(k)
     if any(ks) and not session.engine.has_mtp:

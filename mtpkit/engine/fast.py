@@ -29,14 +29,14 @@ shapes are fixed per ``FastDecoder``, so a generation never compiles anything.
 
 Exactness: greedy output with MTP equals output without MTP (the accept rule and the
 models are those of the eager engine). On quantized trunks that needs every verified row to
-equal the one-token step bit for bit, so their steps attend row by row and use library GEMM
-kernels (``Programs.rowwise``). Sampling is served by the eager engine.
+equal the one-token step bit for bit, so their steps attend row by row and every trunk step
+has the same QUANT_ROWS rows with shape-chosen GEMM kernels (``Programs.rowwise`` and
+``Programs.rows``). Sampling is served by the eager engine.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import tempfile
@@ -56,6 +56,7 @@ from .generate import Result, emit
 
 BACKENDS = ("aoti", "inductor", "eager")
 SPAN_STEP = 64  # attention reads the cache up to the next multiple of this
+QUANT_ROWS = 2  # trunk rows of every compiled step on quantized trunks: drafts k <= 1
 DEFAULT_MAX_LEN = 2048  # cache positions of a FastDecoder unless the model's context is shorter
 
 
@@ -158,6 +159,14 @@ class Programs(nn.Module):
         # templates, 8/12 row by row with templates, 12/12 row by row with library GEMMs).
         quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
         self.rowwise = bool(quantized)
+        # They also run every trunk step with the same number of rows (decode and rounds
+        # padded to QUANT_ROWS), so that each GEMM is the same shape-chosen kernel in every
+        # program and a row's result does not depend on which step computes it. That lets
+        # the fp32 lm_head take inductor's CPU template (library sgemm: 11 ms at 2 rows, 26
+        # at 4; template: 5.4 / 6.9) while staying exact. Two rows, not k+1: the int kernels'
+        # cost grows with rows (SmolLM2 w8a16 decode: 20.8 ms at 2 rows, 43.1 at 4), so the
+        # quantized fast path drafts one token per round, the best k on this CPU anyway.
+        self.rows = QUANT_ROWS if quantized else None
         # Quantized layers build their packed kernel forms on first use; built here, before
         # export traces the steps, they are the program's constants rather than attributes
         # assigned while tracing (which export warns about, layer by layer).
@@ -233,17 +242,27 @@ class Programs(nn.Module):
         row). The copy's cache slot pos + 1 is never read (row 0 sees keys <= pos) and the
         next step writes its own token there first.
         """
-        tokens = torch.cat([token, token], dim=1)
-        pos2 = torch.cat([pos, pos + 1])
-        post, _ = self.trunk(tokens, pos2, kc, vc, span, 1 if self.rowwise else None)
-        return self.model.logits(post[0]).argmax(-1)[:1]  # both rows, as verify does
+        r = self.rows or 2
+        tokens = token.expand(1, r)
+        post, _ = self.trunk(tokens, pos + torch.arange(r, device=pos.device), kc, vc, span,
+                             1 if self.rowwise else None)
+        return self.model.logits(post[0]).argmax(-1)[:1]  # all rows, as verify does
+
+    def _pad(self, tokens):
+        # Quantized trunks: pad a step to QUANT_ROWS rows with copies of its last token (their
+        # cache slots lie past every position a real row reads, and are written before use).
+        t = tokens.shape[1]
+        if self.rows is None or t >= self.rows:
+            return tokens
+        return torch.cat([tokens, tokens[:, -1:].expand(1, self.rows - t)], dim=1)
 
     def verify(self, tokens, pos0, kc, vc, span):
         """Trunk over tokens [1, T] at pos0 [1].. -> the target's argmaxes [T]."""
         t = tokens.shape[1]
-        pos = pos0 + torch.arange(t, device=tokens.device)
-        post, _ = self.trunk(tokens, pos, kc, vc, span, t if self.rowwise else None)
-        return self.model.logits(post[0]).argmax(-1)
+        padded = self._pad(tokens)
+        pos = pos0 + torch.arange(padded.shape[1], device=tokens.device)
+        post, _ = self.trunk(padded, pos, kc, vc, span, t if self.rowwise else None)
+        return self.model.logits(post[0]).argmax(-1)[:t]
 
     def draft_step(self, token, state, pos, hk, hv, span):
         """One chained head step [1, 1] at pos [1] and its draft pick (cost tables)."""
@@ -255,9 +274,11 @@ class Programs(nn.Module):
         (out [T + 1 + k]: target argmaxes, accept count n, next drafts; probs [k])."""
         t = tokens.shape[1]
         spec = self.model.mtp.spec
-        pos = pos0 + torch.arange(t, device=tokens.device)
-        post, pre = self.trunk(tokens, pos, kc, vc, span, t if self.rowwise else None)
-        target = self.model.logits(post[0]).argmax(-1)  # [T]
+        padded = self._pad(tokens)
+        pos = pos0 + torch.arange(padded.shape[1], device=tokens.device)
+        post, pre = self.trunk(padded, pos, kc, vc, span, t if self.rowwise else None)
+        target = self.model.logits(post[0]).argmax(-1)[:t]  # [T]
+        post, pre, pos = post[:, :t], pre[:, :t], pos[:t]
         # n = length of the run of drafts equal to the target's choice.
         n = torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)
         # Head catch-up over all T positions with the target's tokens; row n is what the
@@ -310,6 +331,20 @@ def model_fingerprint(programs: Programs) -> str:
     return h.hexdigest()[:24]
 
 
+def _source_digest() -> str:
+    """A digest of the code a program is traced from: this file, the layers and model
+    families (``mtpkit/models``) and the quantized linear; a change to any of them must not
+    reuse a program built from the old code."""
+    root = Path(__file__).resolve().parent.parent
+    files = [Path(__file__).resolve(), root / "quant" / "linear.py",
+             *sorted((root / "models").glob("*.py"))]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str) -> str:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -318,7 +353,7 @@ def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str) -> s
         torch.__version__, str(pick_vec_isa()),
         # GEMM templates are generated for the thread count in force at compile time.
         str(torch.get_num_threads()),
-        hashlib.sha256(inspect.getsource(inspect.getmodule(_build_key)).encode()).hexdigest(),
+        _source_digest(),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
@@ -332,10 +367,14 @@ def _inductor_configs(mode: str, rowwise: bool = False) -> dict:
     if mode == "max-autotune":
         cfg["max_autotune"] = True
     if rowwise:
-        # Library kernels only: they give a row the same result whatever the row count,
-        # where a template autotuned per shape may block the 1-token and (k+1)-token
-        # products differently (see Programs.rowwise).
-        cfg["max_autotune_gemm_backends"] = "ATEN"
+        # Every trunk step has QUANT_ROWS rows (Programs.rows), and each GEMM takes the CPU
+        # template when one applies (its blocking follows from the shape alone), else the
+        # library kernel: no benchmark-driven choice, so a GEMM of the same shape is the
+        # same kernel in every program. Autotuning between the two could pick differently
+        # per program and break exactness (SmolLM2 w8a16, k=3, rows 2 and 4 mixed: 8/12
+        # prompts identical; one row count with these settings: 12/12).
+        cfg["max_autotune_gemm_backends"] = "CPP"
+        cfg["autotune_fallback_to_aten"] = True
     if os.environ.get("MTPKIT_GEMM_BACKENDS"):  # e.g. CPP or ATEN, to compare GEMM choices
         cfg["max_autotune_gemm_backends"] = os.environ["MTPKIT_GEMM_BACKENDS"]
     return cfg
@@ -387,6 +426,7 @@ class FastDecoder:
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.stats = CompileStats()
         self._fingerprint: str | None = None
+        self._used: set[Path] = set()  # program files this decoder loaded or built
         cfg = model.config
         dtype = model.model.norm.weight.dtype
         self.device = model.model.embed_tokens.weight.device
@@ -500,6 +540,9 @@ class FastDecoder:
         if not path.exists():
             import sys
 
+            from ..cachecmd import compiled_cap_bytes, prune_compiled
+
+            cap = compiled_cap_bytes()  # a malformed setting fails before the build
             print(f"note: compiling the {kind} program (T={t}, first run only, 1.5-4 min "
                   f"on 2 cores) into {path.parent}", file=sys.stderr)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -516,7 +559,14 @@ class FastDecoder:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
             self.stats.compiled += 1
+            self._used.add(path)
+            prune_compiled(path.parent, cap, keep=self._used)
         else:
+            try:
+                os.utime(path)  # its mtime is its last use, which the cache cap prunes by
+            except OSError:
+                pass  # a read-only cache is still usable; it only loses that ordering
+            self._used.add(path)
             self.stats.loaded += 1
         return torch._inductor.aoti_load_package(str(path))
 
@@ -526,10 +576,20 @@ class FastDecoder:
             return [1]
         return list(range(1, k + 2)) if self.draft_p_min is not None else [k + 1]
 
+    def check_draft(self, k: int) -> None:
+        """Raise ValueError when this decoder cannot draft k tokens per round exactly."""
+        rows = self.programs.rows
+        if self.has_mtp and rows is not None and k + 1 > rows:
+            raise ValueError(
+                f"on quantized trunks the compiled path drafts at most {rows - 1} tokens per "
+                f"round (every step shares one {rows}-row shape, which keeps MTP lossless); "
+                f"use -k {rows - 1} or less, or drop --compile for deeper drafts")
+
     def warmup(self, k: int) -> float:
         """Build or load every program a request with draft depth k uses; seconds taken."""
         t0 = time.perf_counter()
         k = k if self.has_mtp else 0
+        self.check_draft(k)
         for t in self._lengths(k):
             if k == 0:
                 self.program("decode")
