@@ -427,6 +427,7 @@ class FastDecoder:
         self.stats = CompileStats()
         self._fingerprint: str | None = None
         self._used: set[Path] = set()  # program files this decoder loaded or built
+        self._noted_depth = False
         cfg = model.config
         dtype = model.model.norm.weight.dtype
         self.device = model.model.embed_tokens.weight.device
@@ -576,20 +577,38 @@ class FastDecoder:
             return [1]
         return list(range(1, k + 2)) if self.draft_p_min is not None else [k + 1]
 
+    def _deepest(self) -> int | None:
+        rows = self.programs.rows
+        return None if rows is None or not self.has_mtp else rows - 1
+
     def check_draft(self, k: int) -> None:
         """Raise ValueError when this decoder cannot draft k tokens per round exactly."""
-        rows = self.programs.rows
-        if self.has_mtp and rows is not None and k + 1 > rows:
+        deepest = self._deepest()
+        if deepest is not None and k > deepest:
             raise ValueError(
-                f"on quantized trunks the compiled path drafts at most {rows - 1} tokens per "
-                f"round (every step shares one {rows}-row shape, which keeps MTP lossless); "
-                f"use -k {rows - 1} or less, or drop --compile for deeper drafts")
+                f"on quantized trunks the compiled path drafts at most {deepest} token(s) per "
+                f"round (every step shares one {deepest + 1}-row shape, which keeps MTP "
+                f"lossless); use -k {deepest} or less, or drop --compile for deeper drafts")
+
+    def served_k(self, k: int) -> int:
+        """The draft depth a request asking for k gets: k, or the deepest this decoder drafts
+        exactly (said once on stderr)."""
+        deepest = self._deepest()
+        if deepest is None or k <= deepest:
+            return k
+        if not self._noted_depth:
+            import sys
+
+            print(f"note: on quantized trunks the compiled path drafts {deepest} token(s) per "
+                  f"round (one step shape keeps MTP lossless); -k {k} runs as -k {deepest}",
+                  file=sys.stderr)
+            self._noted_depth = True
+        return deepest
 
     def warmup(self, k: int) -> float:
         """Build or load every program a request with draft depth k uses; seconds taken."""
         t0 = time.perf_counter()
-        k = k if self.has_mtp else 0
-        self.check_draft(k)
+        k = self.served_k(k) if self.has_mtp else 0
         for t in self._lengths(k):
             if k == 0:
                 self.program("decode")
@@ -633,7 +652,7 @@ class FastDecoder:
         finish reason and metrics as the eager engine fills them."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        k = k if self.has_mtp else 0
+        k = self.served_k(k) if self.has_mtp else 0
         self.check_length(len(prompt_ids), max_tokens, k)
         self.warmup(k)
         res = result if result is not None else Result()
