@@ -20,6 +20,7 @@ from mtpkit.engine.generate import Engine, Result
 from mtpkit.engine.loader import load_model
 from mtpkit.engine.sampling import SamplingParams
 from mtpkit.quant.formats import _gptq, _pack_quantized, _scaled
+from mtpkit.quant.kernels import int8_mm_available
 from mtpkit.quant.linear import QuantLinear
 from mtpkit.quant.pack import Scheme, _compressor, quantize_weight
 
@@ -66,6 +67,41 @@ def test_int_kernels_match_reference(bits, group, asym, perm, rows):
     want = x @ ref_w.T
     got = layer(x)
     # The packed kernels take bf16 activations and scales: ~0.5% relative error.
+    assert (got - want).abs().max() <= 1.5e-2 * want.abs().max()
+
+
+@pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's int8 kernel does not build here")
+@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23)])  # odd shapes hit the tails
+def test_hand_int8_kernel_is_exact_and_row_independent(n, k):
+    """fp32-exact against a float64 reference, and each row the same bits whatever the
+    other rows and their number (what lets verification equal decoding)."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.05 + 0.01
+    x = torch.randn(5, k, generator=g)
+    got = torch.ops.mtpkit.int8_mm(x, codes, scale)
+    want = (x.double() @ (codes.double() * scale.double()[:, None]).T)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    for rows in range(1, 6):
+        for start in range(0, 6 - rows):
+            part = torch.ops.mtpkit.int8_mm(x[start:start + rows].contiguous(), codes, scale)
+            assert torch.equal(part, got[start:start + rows])
+    other = torch.ops.mtpkit.int8_mm(torch.cat([x[:1], -3 * x[1:]]), codes, scale)
+    assert torch.equal(other[0], got[0])
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.mtpkit.int8_mm(x.double(), codes, scale)
+
+
+def test_int8_layer_without_the_hand_kernel_uses_torchs(monkeypatch):
+    """Where mtpkit's kernel cannot build, int8 layers still run (torch's bf16 kernel)."""
+    from mtpkit.quant import kernels
+
+    layer = _int_layer(8, None, True, False)
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(1))
+    want = x @ _reference_weight(layer).T
+    monkeypatch.setattr(kernels, "_state", {"ok": False, "why": "test"})
+    monkeypatch.setattr(torch.ops.mtpkit, "int8_mm", None, raising=False)
+    got = layer(x)
     assert (got - want).abs().max() <= 1.5e-2 * want.abs().max()
 
 

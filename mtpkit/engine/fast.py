@@ -51,6 +51,7 @@ from torch import nn
 
 from ..models.attention import Attention
 from ..models.layers import MLP, PreNormDecoderLayer, Rotary
+from ..quant.kernels import kernel_choice
 from ..quant.linear import QuantLinear
 from .generate import Result, emit
 
@@ -151,10 +152,11 @@ class Programs(nn.Module):
         self.model = model
         cfg = model.config
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        # Quantized trunks attend row by row in their steps: the int kernels round
-        # activations to bf16, so any difference between a one-token step and a row of a
-        # (k+1)-token one grows through the layers into different greedy text, and one
-        # batched masked attention call rounds its rows differently from single rows
+        # Quantized trunks attend row by row in their steps: torch's int kernels (int4, and
+        # int8 where mtpkit's own kernel does not build) round activations to bf16, so any
+        # difference between a one-token step and a row of a (k+1)-token one grows through
+        # the layers into different greedy text, and one batched masked attention call
+        # rounds its rows differently from single rows
         # (SmolLM2 w8a16 compiled, k=3: 7/12 prompts identical batched with autotuned GEMM
         # templates, 8/12 row by row with templates, 12/12 row by row with library GEMMs).
         quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
@@ -333,11 +335,11 @@ def model_fingerprint(programs: Programs) -> str:
 
 def _source_digest() -> str:
     """A digest of the code a program is traced from: this file, the layers and model
-    families (``mtpkit/models``) and the quantized linear; a change to any of them must not
-    reuse a program built from the old code."""
+    families (``mtpkit/models``), the quantized linear and its kernel; a change to any of
+    them must not reuse a program built from the old code."""
     root = Path(__file__).resolve().parent.parent
     files = [Path(__file__).resolve(), root / "quant" / "linear.py",
-             *sorted((root / "models").glob("*.py"))]
+             root / "quant" / "csrc" / "int8_mm.cpp", *sorted((root / "models").glob("*.py"))]
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
@@ -536,6 +538,10 @@ class FastDecoder:
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.programs)
         shapes = f"T={t},L={self.max_len},dtype={self.kc[0].dtype}"
+        if self.programs.rowwise:
+            # Which int8 kernel the program calls; choosing it also loads mtpkit's, which a
+            # program that calls it needs registered before it is loaded.
+            shapes += f",int8={kernel_choice()}"
         key = _build_key(self._fingerprint, kind, shapes, k, self.mode)
         path = self.cache_dir / f"{kind}-{key}.pt2"
         if not path.exists():

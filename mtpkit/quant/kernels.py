@@ -1,0 +1,76 @@
+"""The hand-written CPU int8 kernel (``csrc/int8_mm.cpp``): built on first use, cached.
+
+``int8_mm_available()`` builds the extension once per source version with the C++ compiler
+torch's inductor also needs (into ``<mtpkit cache>/ext``) and registers
+``torch.ops.mtpkit.int8_mm``. Where it cannot (no compiler, no AVX2, or
+``MTPKIT_INT8_KERNEL=library``) it says why once and callers use torch's own kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_mm.cpp"
+_state: dict = {}  # "ok": bool, "why": str, once per process
+
+
+def source_digest() -> str:
+    """A digest of the kernel source (compiled programs that call it key on it)."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def _unsupported() -> str | None:
+    if os.environ.get("MTPKIT_INT8_KERNEL", "").lower() == "library":
+        return "MTPKIT_INT8_KERNEL=library"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"a {platform.machine()} CPU (the kernel is AVX2)"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "a CPU without AVX2"
+    return None
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    from ..builtin import cache_dir
+
+    name = f"mtpkit_int8mm_{source_digest()}"
+    folder = cache_dir() / "ext" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    # cpp_extension locks the folder while building, so parallel first uses are safe.
+    lib = load(name, [str(_SOURCE)], build_directory=str(folder), is_python_module=False,
+               extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+               extra_ldflags=["-fopenmp"], verbose=False)
+    if isinstance(lib, str):  # older torch returns the path instead of loading it
+        torch.ops.load_library(lib)
+
+    @torch.library.register_fake("mtpkit::int8_mm")
+    def _(x, w, s):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+
+def int8_mm_available() -> bool:
+    """Whether ``torch.ops.mtpkit.int8_mm`` can run here (builds it on the first call)."""
+    if "ok" not in _state:
+        why = _unsupported()
+        if why is None:
+            try:
+                _build()
+            except Exception as exc:  # a missing compiler or ninja, a failed build
+                why = f"its build failed ({type(exc).__name__}: {str(exc).strip()[:300]})"
+        _state["ok"], _state["why"] = why is None, why
+        if why is not None and why != "MTPKIT_INT8_KERNEL=library":
+            print(f"note: mtpkit's int8 CPU kernel is off ({why}); int8 layers use torch's "
+                  "bf16-activation kernel instead", file=sys.stderr)
+    return _state["ok"]
+
+
+def kernel_choice() -> str:
+    """``hand`` or ``library``: which int8 CPU kernel this process uses."""
+    return "hand" if int8_mm_available() else "library"
