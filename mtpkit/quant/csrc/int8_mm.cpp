@@ -2,10 +2,11 @@
 // x float32 [M, K] (contiguous), codes int8 [N, K] (contiguous), scale float32 [N].
 //
 // Why by hand: torch's CPU int8 kernel (_weight_int8pack_mm) takes bf16 activations and
-// runs at ~6 G weights/s on this machine's 2 AVX2 cores at two rows; its fp32 path is ~10x
-// slower, and inductor's generated dequantize-and-reduce loops reach 0.3-1 GB/s. This loop
-// widens each group of 8 codes to fp32 once and feeds it to an FMA per row (~9 G weights/s,
-// docs/quantization.md), with fp32 activations, so it is also more exact.
+// runs at ~4.2 G codes/s on this machine's 2 AVX2 cores at two rows (weights streamed from
+// memory); its fp32 path is ~10x slower, and inductor's generated dequantize-and-reduce
+// loops reach 0.3-1 GB/s. This loop widens each group of 8 codes to fp32 once and feeds it
+// to an FMA per row (~6.4 G codes/s at two rows, docs/quantization.md), with fp32
+// activations, so it is also more exact.
 //
 // Exactness: every output is accumulated in the same order whatever the number of rows,
 // the row's position in the batch, the thread split or the columns around it (rows are
@@ -17,7 +18,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -39,8 +39,9 @@ inline __m256 widen8(const int8_t* p) {
 // row break the FMA dependency chain. Not inlined: inlined into the OpenMP region, gcc 12
 // spills an accumulator to the stack inside the loop (5.5 instead of 8.3 G codes/s).
 template <int R>
-__attribute__((noinline)) void rows_kernel(const float* x, int64_t K, const int8_t* w, const float* s, float* y,
-                 int64_t N, int64_t n0, int64_t n1) {
+__attribute__((noinline)) void rows_kernel(const float* x, int64_t K, const int8_t* w,
+                                           const float* s, float* y, int64_t N, int64_t n0,
+                                           int64_t n1) {
   const int64_t Kv = K - K % 16;
   for (int64_t n = n0; n < n1; n++) {
     const int8_t* wn = w + n * K;
