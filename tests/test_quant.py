@@ -21,7 +21,7 @@ from mtpkit.engine.loader import load_model
 from mtpkit.engine.sampling import SamplingParams
 from mtpkit.quant.formats import _gptq, _pack_quantized, _scaled
 from mtpkit.quant.kernels import int8_mm_available
-from mtpkit.quant.linear import QuantLinear
+from mtpkit.quant.linear import QuantLinear, a8_reference, quantize_rows
 from mtpkit.quant.pack import Scheme, _compressor, quantize_weight
 
 INT_LAYOUTS = [  # (bits, group, asymmetric, act-order permutation)
@@ -92,6 +92,40 @@ def test_hand_int8_kernel_is_exact_and_row_independent(n, k):
         torch.ops.mtpkit.int8_mm(x.double(), codes, scale)
 
 
+def _a8_float64(x, codes, scale):
+    """W8A8 from its definition, in float64 (exact for these integer sums)."""
+    xs = x.float().abs().amax(-1) / 127
+    q = torch.round(x.float() / torch.where(xs > 0, xs, 1)[:, None]).clamp(-127, 127)
+    acc = (q.double() @ codes.double().T).float()
+    return (acc * xs[:, None]) * scale[None, :]
+
+
+@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23), (16, 1536)])
+def test_w8a8_reference_and_kernel_agree_bit_for_bit(n, k):
+    """W8A8 layers: per-row int8 activations times int8 codes, summed exactly, so torch's
+    reference and mtpkit's kernel give the same bits for every row, whatever rows are beside
+    it; extreme codes (-128) and an all-zero row included."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    codes[0, :] = -128
+    scale = torch.rand(n, generator=g) * 0.05 + 0.01
+    x = torch.randn(7, k, generator=g)
+    x[2] = 0
+    x[3, 0] = 1e4  # one outlier takes the whole row's scale
+    want = _a8_float64(x, codes, scale)
+    assert torch.equal(a8_reference(x, codes, scale), want)
+    q, xs = quantize_rows(x)
+    assert q.abs().max() <= 127 and torch.equal(q[2], torch.zeros_like(q[2]))
+    if not int8_mm_available():
+        pytest.skip("mtpkit's int8 kernel does not build here")
+    assert torch.equal(torch.ops.mtpkit.int8_a8_mm(x, codes, scale), want)
+    for rows in range(1, 8):
+        for start in range(0, 8 - rows, 3):
+            part = x[start:start + rows].contiguous()
+            assert torch.equal(torch.ops.mtpkit.int8_a8_mm(part, codes, scale),
+                               want[start:start + rows])
+
+
 def test_int8_layer_without_the_hand_kernel_uses_torchs(monkeypatch):
     """Where mtpkit's kernel cannot build, int8 layers still run (torch's bf16 kernel)."""
     from mtpkit.quant import kernels
@@ -101,8 +135,12 @@ def test_int8_layer_without_the_hand_kernel_uses_torchs(monkeypatch):
     want = x @ _reference_weight(layer).T
     monkeypatch.setattr(kernels, "_state", {"ok": False, "why": "test"})
     monkeypatch.setattr(torch.ops.mtpkit, "int8_mm", None, raising=False)
+    monkeypatch.setattr(torch.ops.mtpkit, "int8_a8_mm", None, raising=False)
     got = layer(x)
     assert (got - want).abs().max() <= 1.5e-2 * want.abs().max()
+    a8 = _int_layer(8, None, False, False)
+    a8.act_quant = "int8-token"
+    assert torch.equal(a8(x), _a8_float64(x, a8.codes, a8.scale[:, 0]))
 
 
 @pytest.mark.parametrize("block", [None, "channel", (32, 64)])
@@ -134,7 +172,8 @@ def test_fp8_layer_matches_reference(block):
 
 
 @pytest.mark.parametrize("scheme", [Scheme("w4a16", 128), Scheme("w4a16", 32, False),
-                                    Scheme("w8a16"), Scheme("w8a16", 64, False), Scheme("fp8")])
+                                    Scheme("w8a16"), Scheme("w8a16", 64, False), Scheme("fp8"),
+                                    Scheme("w8a8")])
 def test_compressed_tensors_round_trip(scheme):
     """Our writer's tensors, read by our reader, equal compressed-tensors' own decompression;
     round-to-nearest error stays within half a quantization step."""
@@ -142,7 +181,8 @@ def test_compressed_tensors_round_trip(scheme):
 
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
     t = quantize_weight(w, scheme, scale_dtype=torch.float32)
-    layer = _scaled(t, {}, None) if scheme.name == "fp8" else _pack_quantized(t, None)
+    layer = (_pack_quantized(t, None) if scheme.format == "pack-quantized"
+             else _scaled(t, {}, None))
     theirs = _compressor(scheme).decompress(
         t, QuantizationScheme(targets=["Linear"], weights=scheme.args()))["weight"].float()
     assert torch.allclose(layer.dequantize(), theirs, atol=1e-6)
@@ -233,14 +273,24 @@ def _fake_quant_reference(src, quantized):
     qmods = {n: m for n, m in quantized.model.named_modules() if isinstance(m, QuantLinear)}
     assert qmods
     for name, m in qmods.items():
-        ref.model.get_submodule(name).weight.data.copy_(m.dequantize())
+        lin = ref.model.get_submodule(name)
+        lin.weight.data.copy_(m.dequantize())
+        if m.act_quant:  # W8A8: the float layer sees its input rounded as the scheme does
+            lin.register_forward_pre_hook(_fake_quant_input)
     return ref
+
+
+def _fake_quant_input(module, args):
+    x = args[0]
+    q, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return ((q.float() * xs[:, None]).reshape(x.shape),)
 
 
 @pytest.mark.parametrize("fam", FAMS)
 @pytest.mark.parametrize("scheme", [["--scheme", "w4a16", "--group-size", "32"],
-                                    ["--scheme", "w8a16"], ["--scheme", "fp8"]],
-                         ids=["w4a16", "w8a16", "fp8"])
+                                    ["--scheme", "w8a16"], ["--scheme", "fp8"],
+                                    ["--scheme", "w8a8"]],
+                         ids=["w4a16", "w8a16", "fp8", "w8a8"])
 def test_quantized_checkpoint_runs_like_its_dequantization(checkpoint_factory, tmp_path, fam,
                                                            scheme):
     src = checkpoint_factory(fam)
@@ -452,3 +502,64 @@ def test_verification_rows_equal_decode_steps_bit_for_bit(tmp_path):
         one = torch.cat([model(ids[:, j : j + 1], steps).pre_norm for j in range(36, 40)], 1)
         four = model(ids[:, 36:40], whole).pre_norm
     assert torch.equal(one, four)
+
+
+def test_w8a8_checkpoint_declares_and_runs_per_token_activations(checkpoint_factory, tmp_path):
+    """`--scheme w8a8` writes llm-compressor's W8A8 layout (int8 weights, dynamic per-token
+    int8 activations), which compressed-tensors validates and decompresses to what mtpkit
+    runs, and the loaded layers quantize their inputs as declared."""
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    src = checkpoint_factory("llama")
+    out = tmp_path / "q"
+    _quantize(src, out, "--scheme", "w8a8")
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = QuantizationConfig.model_validate(qcfg).config_groups["group_0"]
+    preset = preset_name_to_scheme("W8A8", ["Linear"])
+    assert group.input_activations == preset.input_activations
+    assert group.weights == preset.weights and qcfg["format"] == "int-quantized"
+    q, notes = _load(out)
+    layers = {n: m for n, m in q.model.named_modules() if isinstance(m, QuantLinear)}
+    assert layers and all(m.act_quant == "int8-token" for m in layers.values())
+    tensors = load_file(next(out.glob("*.safetensors")))
+    name = "model.layers.0.mlp.down_proj"
+    theirs = IntQuantizationCompressor.decompress(
+        {k.split(".")[-1]: v for k, v in tensors.items() if k.startswith(name + ".")}, group
+    )["weight"]
+    layer = layers[name]
+    assert torch.allclose(layer.dequantize(), theirs.float(), atol=1e-6)
+    x = torch.randn(3, layer.in_features)
+    assert torch.equal(layer(x), _a8_float64(x, layer.codes, layer.scale[:, 0]))
+    from mtpkit.bench.cli import _precision
+
+    assert _precision(q.model) == "w8a8"
+
+
+@pytest.mark.parametrize("scheme", [Scheme("w8a8"), Scheme("w8a16"), Scheme("w4a16", 64),
+                                    Scheme("fp8")])
+def test_graft_match_reads_the_destinations_scheme(scheme):
+    """`graft --mtp-precision match` writes the head in the destination's own scheme (a W8A8
+    head written packed, as W8A16, would not match its int-quantized config group)."""
+    from mtpkit.doctor.graft import _ct_scheme
+    from mtpkit.quant.pack import config_group
+
+    q = {"config_groups": {"group_0": config_group(scheme, ["Linear"])}}
+    assert _ct_scheme(q) == scheme
+
+
+def test_unsupported_activation_scheme_runs_weight_only_with_a_note(checkpoint_factory,
+                                                                   tmp_path):
+    """A checkpoint whose activations are quantized in a way mtpkit does not implement
+    (here static per-tensor) still loads, weight-only, and says so."""
+    src = checkpoint_factory("llama")
+    out = tmp_path / "q"
+    _quantize(src, out, "--scheme", "w8a8")
+    config = json.loads((out / "config.json").read_text())
+    acts = config["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+    acts.update(dynamic=False, strategy="tensor")
+    (out / "config.json").write_text(json.dumps(config))
+    q, notes = _load(out)
+    layers = [m for m in q.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and not any(m.act_quant for m in layers)
+    assert any("int8 static tensor symmetric is not implemented" in n for n in notes), notes

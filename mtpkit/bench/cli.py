@@ -105,6 +105,9 @@ def add_parser(sub) -> None:
     c.add_argument("--out", help="results folder (default mtpkit-bench/compare-<time>)")
     c.add_argument("--compile", choices=["off", "aoti", "inductor"], default="off",
                    help="also run mtpkit's compiled greedy path (see `mtpkit generate`)")
+    c.add_argument("--gguf", action="append", default=[], metavar="FILE",
+                   help="also run llama.cpp on this GGUF (repeatable), e.g. the packaged "
+                        "Q4_1 beside a quantized --model")
     c.set_defaults(func=cmd_compare)
 
 
@@ -506,17 +509,36 @@ def cmd_compare(a) -> int:
         raise ValueError(f"--skip: unknown engine(s) {', '.join(sorted(bad))}; "
                          f"choose from {', '.join(SKIPPABLE)}")
     prompts = load_prompts(a.prompts)
+    for g in a.gguf:
+        if not Path(g).is_file():
+            raise ValueError(f"--gguf {g}: no such file")
     out = Path(a.out) if a.out else _default_out("compare")
     result = compare_report(a.model, a.head, prompts, a.max_tokens, a.k,
-                            a.prompt_lookup_tokens, skip, progress=True, compile=a.compile)
+                            a.prompt_lookup_tokens, skip, progress=True, compile=a.compile,
+                            ggufs=[Path(g) for g in a.gguf])
     write_compare(result, out)
     print_compare(result, out)
     return 0 if result["mtpkit_lossless"] else 1
 
 
+def _precision(model) -> str:
+    """How the trunk's weights run: fp32/bf16, or the quantized scheme of its Linears."""
+    from ..quant.linear import QuantLinear
+
+    kinds = set()
+    for m in model.model.modules():
+        if isinstance(m, QuantLinear):
+            w = "fp8" if m.kind == "fp8" else f"w{m.bits}"
+            kinds.add(w + ("a8" if m.act_quant else "a16" if m.kind == "int" else ""))
+    if kinds:
+        return "+".join(sorted(kinds))
+    return str(next(model.parameters()).dtype).replace("torch.float32", "fp32").replace(
+        "torch.bfloat16", "bf16").replace("torch.", "")
+
+
 def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 10,
                    skip=frozenset(), progress: bool = False, bandwidth_mb: int = 256,
-                   compile: str | None = None) -> dict:
+                   compile: str | None = None, ggufs=()) -> dict:
     """Every engine on the same prompt ids; ratios, agreement and bounds as plain data."""
     from ..engine.session import Session
     from .common import measure_bandwidth, weight_bytes
@@ -558,9 +580,10 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
     rows = int(len(drafter.vocab)) if drafter.vocab is not None else None
     notes: list[str] = []
 
+    prec = _precision(session.engine.model)
     say(f"mtpkit k=0 and k={k} ...")
     base, mtp = run_mtpkit(session, ids, [0, k], max_tokens,
-                           ["mtpkit fp32 (no MTP)", f"mtpkit fp32 MTP k={k}"])
+                           [f"mtpkit {prec} (no MTP)", f"mtpkit {prec} MTP k={k}"])
     base.bound_tokens_per_s = bound_tokens_per_s(wb, 0, 1.0, bw, rows)
     mtp.bound_tokens_per_s = bound_tokens_per_s(wb, k, mtp.mean_acceptance_length, bw, rows)
     runs = [base, mtp]
@@ -571,8 +594,8 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
         if enable_fast(session.engine, compile) is not None:
             say(f"mtpkit compiled ({compile}) k=0 and k={k} (first run builds the programs) ...")
             cbase, cmtp = run_mtpkit(session, ids, [0, k], max_tokens,
-                                     ["mtpkit fp32 compiled (no MTP)",
-                                      f"mtpkit fp32 compiled MTP k={k}"])
+                                     [f"mtpkit {prec} compiled (no MTP)",
+                                      f"mtpkit {prec} compiled MTP k={k}"])
             cbase.bound_tokens_per_s, cmtp.bound_tokens_per_s = (base.bound_tokens_per_s,
                                                                  mtp.bound_tokens_per_s)
             runs += [cbase, cmtp]
@@ -592,6 +615,7 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
                 scale = 0.5 if "bf16" in r.engine else 1.0
                 r.bound_tokens_per_s = bw * 1e9 / (wb["trunk"] * scale)
             runs.append(r)
+    extra = [(f"llama.cpp {g.stem}", g) for g in ggufs]
     if "llama.cpp" not in skip:
         if not llama_cpp_available():
             notes.append("llama.cpp skipped: llama-cpp-python is not installed "
@@ -608,6 +632,7 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
                 notes.append(f"no Q8_0 GGUF for llama.cpp: {e}")
             if builtin:
                 ggufs.append(("llama.cpp Q4_1 (packaged)", smollm2_gguf()))
+            ggufs += extra
             threads = torch.get_num_threads()
             for name, path in ggufs:
                 say(f"{name} ...")

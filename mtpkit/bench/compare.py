@@ -216,6 +216,10 @@ def write_q8_0(folder: Path, tokenizer, dest: Path) -> Path:
     if dest.exists():
         return dest
     cfg = json.loads((folder / "config.json").read_text())
+    if cfg.get("quantization_config") or (cfg.get("text_config") or {}).get(
+            "quantization_config"):
+        raise ValueError(f"{folder.name} is quantized; mtpkit writes Q8_0 from float weights "
+                         "only (pass the float model's GGUF with --gguf)")
     tensors = {}
     for f in sorted(folder.glob("model*.safetensors")):
         if "mtp" not in f.name:

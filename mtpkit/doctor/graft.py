@@ -458,11 +458,15 @@ def _ct_scheme(q: dict):
     elif bits == 4:
         name = "w4a16"
     elif bits == 8:
-        name = "w8a16"
+        # W8A8 stores int8 weights unpacked (int-quantized); writing the head packed would
+        # not match the destination's format.
+        acts = groups[0].get("input_activations") or {}
+        name = "w8a8" if acts.get("type") == "int" and int(acts.get("num_bits", 0)) == 8 \
+            else "w8a16"
     else:
         raise ValueError(f"--mtp-precision match: {bits}-bit {kind} weights are not supported")
     gs = w.get("group_size")
-    return Scheme(name, int(gs) if gs and name != "fp8" else None,
+    return Scheme(name, int(gs) if gs and name not in ("fp8", "w8a8") else None,
                   bool(w.get("symmetric", True)))
 
 

@@ -263,6 +263,8 @@ class CausalLM(nn.Module):
                                       f"{'missing' if q.bias is None else 'unexpected'}")
             setattr(parent, child, q.to(old.weight.device))
             installed[prefix] = path
+            if q.act_note and not any(q.act_note in n for n in report.notes):
+                report.notes.append(f"{prefix} and others like it: {q.act_note}")
         return installed
 
     @staticmethod

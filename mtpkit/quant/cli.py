@@ -15,7 +15,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--model", help="HF checkpoint folder (default: the built-in model)")
     p.add_argument("--head", help="an MTP head folder (mtpkit calibrate) to merge in as mtp.*")
-    p.add_argument("--scheme", choices=["w4a16", "w8a16", "fp8"], default="w4a16")
+    p.add_argument("--scheme", choices=["w4a16", "w8a16", "w8a8", "fp8"], default="w4a16",
+                   help="weight-only int4/int8/fp8, or w8a8: int8 weights and int8 "
+                        "activations quantized per token at run time (fastest on CPU)")
     p.add_argument("--group-size", type=int, default=None,
                    help="w4a16: 32/64/128/256 (default 128); w8a16: default per channel; "
                         "0 = per channel")

@@ -123,16 +123,19 @@ def read_module(spec: QuantSpec, ckpt, qcfg: dict) -> QuantLinear:
     bias = t.get("bias")
     try:
         if spec.fmt == "pack-quantized":
-            return _pack_quantized(t, bias)
-        if spec.fmt == "gptq":
-            return _gptq(t, qcfg, bias)
-        if spec.fmt == "awq":
-            return _awq(t, qcfg, bias)
-        if spec.fmt == "fp8-block-inv":
+            q = _pack_quantized(t, bias)
+        elif spec.fmt == "gptq":
+            q = _gptq(t, qcfg, bias)
+        elif spec.fmt == "awq":
+            q = _awq(t, qcfg, bias)
+        elif spec.fmt == "fp8-block-inv":
             block = qcfg.get("weight_block_size") or (128, 128)
-            return QuantLinear.from_fp8(t["weight"], t["weight_scale_inv"],
-                                        (int(block[0]), int(block[1])), bias)
-        return _scaled(t, qcfg, bias)
+            q = QuantLinear.from_fp8(t["weight"], t["weight_scale_inv"],
+                                     (int(block[0]), int(block[1])), bias)
+        else:
+            q = _scaled(t, qcfg, bias)
+        q.act_quant, q.act_note = activation_scheme(spec.prefix, qcfg, q)
+        return q
     except (ValueError, RuntimeError) as e:
         raise CheckpointError(
             f"{ckpt.path}: cannot read quantized module {spec.prefix} ({spec.fmt}): {e}. "
@@ -290,6 +293,34 @@ def config_covers(module: str, qcfg: dict) -> str | None:
     if module.split(".")[-1] == "lm_head" or any(s and s in module for s in skip):
         return None
     return f"quantization_config (quant_method {method or '?'})"
+
+
+def activation_scheme(module: str, qcfg: dict, q: QuantLinear) -> tuple[str | None, str | None]:
+    """How this module's inputs are quantized: ("int8-token", None) for W8A8 int8 with dynamic
+    per-token scales, which mtpkit runs as written; (None, why) for activation schemes it
+    runs weight-only instead (more precise than the checkpoint asks); (None, None) if none."""
+    if str(qcfg.get("quant_method", "")).lower() != "compressed-tensors":
+        return None, None
+    if _matches_any(module, qcfg.get("ignore") or []):
+        return None, None
+    for group in (qcfg.get("config_groups") or {}).values():
+        if not _matches_any(module, group.get("targets") or []):
+            continue
+        a = group.get("input_activations")
+        if not a:
+            return None, None
+        desc = (f"{a.get('type', '?')}{a.get('num_bits', '?')} "
+                f"{'dynamic' if a.get('dynamic') else 'static'} {a.get('strategy', '?')} "
+                f"{'symmetric' if a.get('symmetric', True) else 'asymmetric'}")
+        if (a.get("type") == "int" and int(a.get("num_bits", 0)) == 8
+                and a.get("strategy") == "token" and a.get("dynamic") is True
+                and a.get("symmetric", True) and q.kind == "int" and q.bits == 8
+                and q.group_size is None and q.zero is None and q.perm is None):
+            return "int8-token", None
+        return None, (f"activation quantization {desc} is not implemented for "
+                      f"{'fp8' if q.kind == 'fp8' else f'int{q.bits}'} weights; these "
+                      "layers run weight-only, with unquantized activations")
+    return None, None
 
 
 def _matches_any(module: str, entries: list[str]) -> bool:

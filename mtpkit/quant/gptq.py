@@ -105,10 +105,13 @@ def gptq_codes(
 
 
 def pack_codes(codes, scales, zeros, scheme: Scheme, scale_dtype) -> dict[str, torch.Tensor]:
-    """compressed-tensors pack-quantized tensors for codes already chosen."""
+    """compressed-tensors tensors (pack- or int-quantized, as the scheme stores) for codes
+    already chosen."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     n, k = codes.shape
+    if scheme.format == "int-quantized":  # w8a8: int8 codes as they are, symmetric
+        return {"weight": codes.to(torch.int8), "weight_scale": scales.to(scale_dtype)}
     out = {"weight_packed": pack_to_int32(codes, scheme.bits),
            "weight_scale": scales.to(scale_dtype),
            "weight_shape": torch.tensor([n, k])}

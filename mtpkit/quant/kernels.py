@@ -50,9 +50,12 @@ def _build() -> None:
     if isinstance(lib, str):  # older torch returns the path instead of loading it
         torch.ops.load_library(lib)
 
-    @torch.library.register_fake("mtpkit::int8_mm")
-    def _(x, w, s):
-        return x.new_empty(x.shape[0], w.shape[0])
+    for op in ("mtpkit::int8_mm", "mtpkit::int8_a8_mm"):
+        torch.library.register_fake(op)(_fake_mm)
+
+
+def _fake_mm(x, w, s):
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 def int8_mm_available() -> bool:

@@ -6,6 +6,10 @@ form, so there is one set of kernels and one reference dequantization:
     int:  w[n, k] = (codes[n, k] - zero[n, g(k)]) * scale[n, g(k)]     codes, zero signed ints
     fp8:  w[n, k] = float(e4m3[n, k]) * scale[n // br, k // bc]          (tensor/channel/block)
 
+W8A8 layers (``act_quant == "int8-token"``: compressed-tensors int8 weights with dynamic
+per-token int8 activations) also quantize their input, one scale per row, and multiply
+integers exactly (``a8_reference`` defines it; mtpkit's CPU kernel computes the same bits).
+
 ``g(k) = k // group_size`` in the order the codes are stored; activation-ordered checkpoints
 (GPTQ ``desc_act``, compressed-tensors ``g_idx``) keep their columns permuted so that groups
 are contiguous, and the input is permuted the same way (``perm``).
@@ -43,6 +47,8 @@ class QuantLinear(nn.Module):
         self.block: tuple[int, int] | None = None  # fp8: scale tile (rows, cols)
         self.register_buffer("bias", bias)
         self.dtype = torch.float32  # the compute dtype the rest of the model was cast to
+        self.act_quant: str | None = None  # "int8-token": W8A8, activations quantized per row
+        self.act_note: str | None = None  # why the checkpoint's activation scheme is not run
         self._packed: dict = {}  # kernel-specific forms, built on first use per device
 
     # -- construction ---------------------------------------------------------------------
@@ -161,7 +167,9 @@ class QuantLinear(nn.Module):
         if self.kind == "int" and self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         out = None
-        if x2.device.type == "cpu" and self.kind == "int":
+        if self.act_quant is not None:
+            out = self._a8(x2)
+        elif x2.device.type == "cpu" and self.kind == "int":
             out = self._cpu_int(x2)
         elif x2.device.type == "cpu":
             # Decoding e4m3 on this CPU runs at ~150 MB/s (110 ms for a 4096x4096 weight),
@@ -217,6 +225,12 @@ class QuantLinear(nn.Module):
 
     max_kernel_rows = 256
 
+    def _a8(self, x: torch.Tensor) -> torch.Tensor:
+        s = self._prepare("a8", lambda: self.scale[:, 0].contiguous())
+        if x.device.type == "cpu" and int8_mm_available():
+            return torch.ops.mtpkit.int8_a8_mm(x.float().contiguous(), self.codes, s)
+        return a8_reference(x, self.codes, s)
+
     def _prepare(self, key, build):
         if key not in self._packed:
             self._packed[key] = build()
@@ -246,7 +260,29 @@ class QuantLinear(nn.Module):
         """Shape and scheme, shown when printing the model."""
         scheme = "fp8" if self.kind == "fp8" else f"int{self.bits}"
         group = f", group={self.group_size}" if self.group_size else ""
-        return f"{self.in_features} -> {self.out_features}, {scheme}{group}"
+        act = ", activations int8 per token" if self.act_quant else ""
+        return f"{self.in_features} -> {self.out_features}, {scheme}{group}{act}"
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row int8: codes [M, K] in [-127, 127] and scales [M] (max |x| / 127)."""
+    x = x.float()
+    xs = x.abs().amax(-1) / 127
+    safe = torch.where(xs > 0, xs, torch.ones_like(xs))
+    q = torch.round(x / safe[:, None]).clamp(-127, 127)
+    # An all-zero row (xs == 0) divides by 1 and rounds to zeros.
+    return q.to(torch.int8), xs
+
+
+def a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 int8 linear: y = (float(q @ codes.T) * xs) * scale, the integer sum exact."""
+    q, xs = quantize_rows(x)
+    m = q.shape[0]
+    if q.device.type == "cuda" and m <= 16:
+        # torch._int_mm on CUDA wants more than 16 rows; zero rows are independent.
+        q = torch.cat([q, q.new_zeros(17 - m, q.shape[1])])
+    acc = torch._int_mm(q, codes.t())[:m]
+    return (acc.float() * xs[:, None]) * scale[None, :]
 
 
 def dtype_device(linear: nn.Module) -> tuple[torch.dtype, torch.device]:

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-SCHEMES = ("w4a16", "w8a16", "fp8")
+SCHEMES = ("w4a16", "w8a16", "w8a8", "fp8")
 
 
 @dataclass(frozen=True)
 class Scheme:
-    """A weight-only scheme: ``w4a16`` / ``w8a16`` (int, symmetric unless told) or ``fp8``."""
+    """``w4a16`` / ``w8a16`` (int weights, symmetric unless told), ``fp8`` (weights only),
+    or ``w8a8`` (int8 weights per channel, int8 activations quantized per token at run time,
+    llm-compressor's W8A8 preset)."""
 
     name: str
     group_size: int | None = None  # None: one scale per output channel
@@ -24,8 +26,11 @@ class Scheme:
         if self.group_size is not None and self.group_size not in (32, 64, 128, 256):
             raise ValueError(f"group size {self.group_size} is not one of 32, 64, 128, 256 "
                              "(or 0 for one scale per output channel)")
-        if self.name == "fp8" and self.group_size is not None:
-            raise ValueError("fp8 uses one scale per output channel; drop --group-size")
+        if self.name in ("fp8", "w8a8") and self.group_size is not None:
+            raise ValueError(f"{self.name} uses one scale per output channel; drop --group-size")
+        if self.name == "w8a8" and not self.symmetric:
+            raise ValueError("w8a8 weights are symmetric (vLLM's int8 W8A8 kernels take no "
+                             "weight zero points); drop --asymmetric")
 
     @property
     def bits(self) -> int:
@@ -35,7 +40,17 @@ class Scheme:
     @property
     def format(self) -> str:
         """compressed-tensors format name."""
-        return "float-quantized" if self.name == "fp8" else "pack-quantized"
+        return {"fp8": "float-quantized", "w8a8": "int-quantized"}.get(self.name,
+                                                                       "pack-quantized")
+
+    def input_args(self):
+        """The compressed-tensors QuantizationArgs of the activations (None: not quantized)."""
+        from compressed_tensors.quantization import QuantizationArgs
+
+        if self.name != "w8a8":
+            return None
+        return QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True,
+                                symmetric=True)
 
     def args(self):
         """The compressed-tensors QuantizationArgs of the weights."""
@@ -84,12 +99,11 @@ def quantize_weight(
 
 
 def _compressor(scheme: Scheme):
-    if scheme.name == "fp8":
-        from compressed_tensors.compressors.naive_quantized.base import (
-            FloatQuantizationCompressor,
-        )
+    if scheme.name in ("fp8", "w8a8"):
+        from compressed_tensors.compressors.naive_quantized import base
 
-        return FloatQuantizationCompressor
+        return (base.FloatQuantizationCompressor if scheme.name == "fp8"
+                else base.IntQuantizationCompressor)
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 
     return PackedQuantizationCompressor
@@ -99,6 +113,7 @@ def config_group(scheme: Scheme, targets: list[str]) -> dict:
     """One ``config_groups`` entry as compressed-tensors writes it."""
     from compressed_tensors.quantization import QuantizationScheme
 
-    return QuantizationScheme(targets=targets, weights=scheme.args()).model_dump(
+    return QuantizationScheme(targets=targets, weights=scheme.args(),
+                              input_activations=scheme.input_args()).model_dump(
         exclude_none=True, mode="json"
     )

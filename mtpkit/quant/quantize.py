@@ -80,7 +80,7 @@ def quantize_checkpoint(
     if method == "gptq" and not calib_data:
         raise ValueError("--method gptq needs calibration text: pass --calib-data FILES")
     if method == "gptq" and scheme.name == "fp8":
-        raise ValueError("--method gptq applies to the int schemes (w4a16, w8a16), not fp8")
+        raise ValueError("--method gptq applies to the int schemes (w4a16, w8a16, w8a8), not fp8")
     layout = _Layout(ckpt)
     mtp_scheme = {"keep": None, "same": scheme, "w8a16": Scheme("w8a16")}[mtp]
     report = QuantizeReport(dst)
