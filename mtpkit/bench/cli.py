@@ -707,7 +707,7 @@ def print_compare(result: dict, out: Path) -> None:
                     f"{len(result['prompts'])} prompts x {result['max_tokens']} tokens, "
                     f"{_threads(result['environment']['torch_threads'])}")
     for col in ("engine", "tok/s", "vs mtpkit no MTP", "vs mtpkit MTP", "bound tok/s",
-                "TTFT ms", "same text as mtpkit fp32"):
+                "TTFT ms", f"same text as {result['engines'][0]['engine']}"):
         t.add_column(col, justify="right" if col != "engine" else "left")
     for r in result["engines"]:
         if r["skipped"]:
