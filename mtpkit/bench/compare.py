@@ -216,8 +216,9 @@ def write_q8_0(folder: Path, tokenizer, dest: Path) -> Path:
     if dest.exists():
         return dest
     cfg = json.loads((folder / "config.json").read_text())
-    if cfg.get("quantization_config") or (cfg.get("text_config") or {}).get(
-            "quantization_config"):
+    from ..quant.formats import quant_config_in
+
+    if quant_config_in(cfg):
         raise ValueError(f"{folder.name} is quantized; mtpkit writes Q8_0 from float weights "
                          "only (pass the float model's GGUF with --gguf)")
     tensors = {}

@@ -73,8 +73,11 @@ class QuantPlan:
 def quant_config_of(ckpt) -> dict:
     """The checkpoint's ``quantization_config`` (empty when there is none)."""
     config = getattr(ckpt, "config", None)
-    if not isinstance(config, dict):
-        return {}
+    return quant_config_in(config) if isinstance(config, dict) else {}
+
+
+def quant_config_in(config: dict) -> dict:
+    """A config.json's ``quantization_config``, top level or under ``text_config``."""
     q = config.get("quantization_config")
     if q is None and isinstance(config.get("text_config"), dict):
         q = config["text_config"].get("quantization_config")
@@ -283,12 +286,8 @@ def config_covers(module: str, qcfg: dict) -> str | None:
         return None
     method = str(qcfg.get("quant_method", "")).lower()
     if method == "compressed-tensors":
-        if _matches_any(module, qcfg.get("ignore") or []):
-            return None
-        for gname, group in (qcfg.get("config_groups") or {}).items():
-            if _matches_any(module, group.get("targets") or []):
-                return f"quantization_config.config_groups.{gname}"
-        return None
+        found = _covering_group(module, qcfg)
+        return None if found is None else f"quantization_config.config_groups.{found[0]}"
     skip = (qcfg.get("modules_to_not_convert") or qcfg.get("ignored_layers") or [])
     if module.split(".")[-1] == "lm_head" or any(s and s in module for s in skip):
         return None
@@ -301,26 +300,32 @@ def activation_scheme(module: str, qcfg: dict, q: QuantLinear) -> tuple[str | No
     runs weight-only instead (more precise than the checkpoint asks); (None, None) if none."""
     if str(qcfg.get("quant_method", "")).lower() != "compressed-tensors":
         return None, None
-    if _matches_any(module, qcfg.get("ignore") or []):
+    found = _covering_group(module, qcfg)
+    a = found[1].get("input_activations") if found else None
+    if not a:
         return None, None
-    for group in (qcfg.get("config_groups") or {}).values():
-        if not _matches_any(module, group.get("targets") or []):
-            continue
-        a = group.get("input_activations")
-        if not a:
-            return None, None
-        desc = (f"{a.get('type', '?')}{a.get('num_bits', '?')} "
-                f"{'dynamic' if a.get('dynamic') else 'static'} {a.get('strategy', '?')} "
-                f"{'symmetric' if a.get('symmetric', True) else 'asymmetric'}")
-        if (a.get("type") == "int" and int(a.get("num_bits", 0)) == 8
-                and a.get("strategy") == "token" and a.get("dynamic") is True
-                and a.get("symmetric", True) and q.kind == "int" and q.bits == 8
-                and q.group_size is None and q.zero is None and q.perm is None):
-            return "int8-token", None
-        return None, (f"activation quantization {desc} is not implemented for "
-                      f"{'fp8' if q.kind == 'fp8' else f'int{q.bits}'} weights; these "
-                      "layers run weight-only, with unquantized activations")
-    return None, None
+    if (a.get("type") == "int" and int(a.get("num_bits", 0)) == 8
+            and a.get("strategy") == "token" and a.get("dynamic") is True
+            and a.get("symmetric", True) and q.kind == "int" and q.bits == 8
+            and q.group_size is None and q.zero is None and q.perm is None):
+        return "int8-token", None
+    desc = (f"{a.get('type', '?')}{a.get('num_bits', '?')} "
+            f"{'dynamic' if a.get('dynamic') else 'static'} {a.get('strategy', '?')} "
+            f"{'symmetric' if a.get('symmetric', True) else 'asymmetric'}")
+    return None, (f"activation quantization {desc} is not implemented for "
+                  f"{'fp8' if q.kind == 'fp8' else f'int{q.bits}'} weights; these "
+                  "layers run weight-only, with unquantized activations")
+
+
+def _covering_group(module: str, qcfg: dict) -> tuple[str, dict] | None:
+    """(name, entry) of the compressed-tensors config group that quantizes this on-disk
+    module: the first whose targets match, unless the ignore list names it."""
+    if _matches_any(module, qcfg.get("ignore") or []):
+        return None
+    for gname, group in (qcfg.get("config_groups") or {}).items():
+        if _matches_any(module, group.get("targets") or []):
+            return gname, group
+    return None
 
 
 def _matches_any(module: str, entries: list[str]) -> bool:

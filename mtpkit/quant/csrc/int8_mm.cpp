@@ -124,12 +124,18 @@ __attribute__((noinline)) void a8_rows(const int8_t* q, const float* xs, int64_t
 }  // namespace
 #endif
 
-static at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && s.dim() == 1, "int8_mm: x [M,K], w [N,K], s [N]");
+// Both ops take x float32 [M, K], codes int8 [N, K] and scale float32 [N].
+static void check_args(const char* op, const at::Tensor& x, const at::Tensor& w,
+                       const at::Tensor& s) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && s.dim() == 1, op, ": x [M,K], w [N,K], s [N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar &&
                   s.scalar_type() == at::kFloat,
-              "int8_mm: x float32, w int8, s float32");
-  TORCH_CHECK(x.size(1) == w.size(1) && s.size(0) == w.size(0), "int8_mm: shapes differ");
+              op, ": x float32, w int8, s float32");
+  TORCH_CHECK(x.size(1) == w.size(1) && s.size(0) == w.size(0), op, ": shapes differ");
+}
+
+static at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) {
+  check_args("int8_mm", x, w, s);
   at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = s.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -153,12 +159,7 @@ static at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Te
 }
 
 static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && s.dim() == 1,
-              "int8_a8_mm: x [M,K], w [N,K], s [N]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar &&
-                  s.scalar_type() == at::kFloat,
-              "int8_a8_mm: x float32, w int8, s float32");
-  TORCH_CHECK(x.size(1) == w.size(1) && s.size(0) == w.size(0), "int8_a8_mm: shapes differ");
+  check_args("int8_a8_mm", x, w, s);
   TORCH_CHECK(x.size(1) < (1 << 17), "int8_a8_mm: K >= 2^17 could overflow int32");
   at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = s.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
