@@ -157,7 +157,8 @@ def test_aoti_programs_are_cached(engine_factory, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def quantized_engines(checkpoint_factory, tmp_path_factory):
-    """scheme -> Engine of the tiny Llama quantized with it (w8a16 per channel, w4a16 g32)."""
+    """scheme -> Engine of the tiny Llama quantized with it (w8a16 per channel, w4a16 g32;
+    "-lm": the lm_head quantized too, which makes the trunk row-exact)."""
     import warnings
 
     from mtpkit.engine.loader import load_model
@@ -165,20 +166,23 @@ def quantized_engines(checkpoint_factory, tmp_path_factory):
     from mtpkit.quant.quantize import quantize_checkpoint
 
     engines = {}
-    for name, group in (("w8a16", None), ("w4a16", 32)):
+    for name, group in (("w8a16", None), ("w4a16", 32), ("w8a8-lm", None),
+                        ("w8a16-lm", None)):
         out = tmp_path_factory.mktemp(name) / "m"
-        quantize_checkpoint(checkpoint_factory("llama"), out, Scheme(name, group, True),
-                            mtp="same")
+        quantize_checkpoint(checkpoint_factory("llama_tied"), out,
+                            Scheme(name.removesuffix("-lm"), group, True), mtp="same",
+                            lm_head="same" if name.endswith("-lm") else "keep")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             engines[name] = Engine(load_model(out, tokenizer=False).model)
     return engines
 
 
-@pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8-lm", "w8a16-lm"])
 def test_quantized_verify_rows_equal_one_token_steps(scheme, quantized_engines):
     """On int8/int4 trunks every row of a verification equals, bit for bit, the one-token
-    decode step at its position (the property that makes MTP lossless there)."""
+    decode step at its position (the property that makes MTP lossless there); row-exact
+    trunks (lm_head quantized too) take that step as one row, the others as padded two."""
     from mtpkit.quant.linear import QuantLinear
 
     engine = quantized_engines[scheme]
@@ -186,7 +190,7 @@ def test_quantized_verify_rows_equal_one_token_steps(scheme, quantized_engines):
     assert unsupported_reason(engine.model) is None
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
     pr = dec.programs
-    assert pr.rowwise
+    assert pr.rowwise and pr.row_exact == scheme.endswith("-lm")
     with torch.inference_mode():
         dec.prefill(PROMPTS[1], 0)
         saved = [b.clone() for b in dec.kc + dec.vc]
@@ -198,23 +202,32 @@ def test_quantized_verify_rows_equal_one_token_steps(scheme, quantized_engines):
             b.copy_(s)
         for j in range(4):
             tok = tokens[:, j : j + 1]
-            one, _ = pr.trunk(torch.cat([tok, tok], 1), torch.tensor([at + j, at + j + 1]),
-                              dec.kc, dec.vc, span, 1)
+            if pr.row_exact:
+                one, _ = pr.trunk(tok, torch.tensor([at + j]), dec.kc, dec.vc, span, 1)
+            else:
+                one, _ = pr.trunk(torch.cat([tok, tok], 1), torch.tensor([at + j, at + j + 1]),
+                                  dec.kc, dec.vc, span, 1)
             assert torch.equal(one[0, 0], rows[0, j]), f"row {j}"
 
 
-@pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8-lm", "w8a16-lm"])
 def test_quantized_models_take_the_fast_path_exactly(scheme, quantized_engines):
     """int8/int4 trunks decode through the fast path with the eager engine's tokens, at every
-    draft depth the path serves on them."""
+    draft depth the path serves on them (any depth on row-exact trunks)."""
     from mtpkit.engine.fast import QUANT_ROWS
 
     engine = quantized_engines[scheme]
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    exact = dec.programs.row_exact
+    assert exact == scheme.endswith("-lm") and (dec.programs.rows is None) == exact
     for prompt in PROMPTS:
         want, _ = _eager(engine, prompt, 0)
-        for k in range(QUANT_ROWS + 1):  # the deepest runs as QUANT_ROWS - 1
-            assert _fast(dec, prompt, k)[0] == want, f"k={k} prompt={prompt}"
+        for k in range(4 if exact else QUANT_ROWS + 1):  # the deepest may run shallower
+            got, res = _fast(dec, prompt, k)
+            assert got == want, f"k={k} prompt={prompt}"
+            if exact and res.metrics.num_drafts:
+                # drafted as asked (the last round may draft fewer: no tokens left)
+                assert res.metrics.num_draft_tokens > (k - 1) * res.metrics.num_drafts
 
 
 def test_quantized_compiled_programs_stay_exact(quantized_engines, capsys):
@@ -235,3 +248,19 @@ def test_quantized_compiled_programs_stay_exact(quantized_engines, capsys):
     assert f"runs as -k {QUANT_ROWS - 1}" in capsys.readouterr().err
     with pytest.raises(ValueError, match=f"at most {QUANT_ROWS - 1} token"):
         dec.check_draft(QUANT_ROWS)
+
+
+def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines):
+    """Compiled programs of a row-exact trunk (W8A8 with its lm_head quantized: every GEMM
+    one of mtpkit's int8 kernels) decode one row per step and verify k+1 rows per round with
+    the compiled k = 0 tokens at every k, and draft as deep as asked."""
+    engine = quantized_engines["w8a8-lm"]
+    dec = FastDecoder(engine.model, backend="inductor", mode="max-autotune", max_len=128)
+    assert dec.programs.row_exact and dec.programs.rows is None
+    dec.check_draft(3)  # no depth limit
+    for prompt in PROMPTS:
+        want, _ = _fast(dec, prompt, 0)
+        for k in (1, 3):
+            got, res = _fast(dec, prompt, k)
+            assert got == want, f"k={k} prompt={prompt}"
+    assert res.metrics.num_draft_tokens > 2 * res.metrics.num_drafts

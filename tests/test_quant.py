@@ -274,6 +274,8 @@ def _fake_quant_reference(src, quantized):
     assert qmods
     for name, m in qmods.items():
         lin = ref.model.get_submodule(name)
+        if lin.weight is ref.model.model.embed_tokens.weight:  # a tied lm_head, untied
+            lin.weight = torch.nn.Parameter(lin.weight.detach().clone())
         lin.weight.data.copy_(m.dequantize())
         if m.act_quant:  # W8A8: the float layer sees its input rounded as the scheme does
             lin.register_forward_pre_hook(_fake_quant_input)
@@ -534,6 +536,52 @@ def test_w8a8_checkpoint_declares_and_runs_per_token_activations(checkpoint_fact
     from mtpkit.bench.cli import _precision
 
     assert _precision(q.model) == "w8a8"
+
+
+@pytest.mark.parametrize("fam", ["llama_tied", "llama"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w8a16"])
+def test_lm_head_same_quantizes_the_lm_head(checkpoint_factory, tmp_path, fam, scheme,
+                                            capsys):
+    """`--lm-head same` writes the lm_head in the trunk's scheme, named in the config group
+    and off the ignore list; a tied one is untied (its embedding stays float as stored). The
+    loaded model runs like its dequantization and MTP stays lossless."""
+    src = checkpoint_factory(fam)
+    before = {f.name: f.read_bytes() for f in src.iterdir() if f.is_file()}
+    out = tmp_path / "q"
+    _quantize(src, out, "--scheme", scheme, "--lm-head", "same")
+    assert {f.name: f.read_bytes() for f in src.iterdir() if f.is_file()} == before
+    cfg = json.loads((out / "config.json").read_text())
+    qcfg = cfg["quantization_config"]
+    assert "lm_head" in qcfg["config_groups"]["group_0"]["targets"]
+    assert not [e for e in qcfg["ignore"] if "lm_head" in e]
+    assert cfg.get("tie_word_embeddings") in (None, False)
+    tensors = {}
+    for f in out.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    codes = tensors.get("lm_head.weight", tensors.get("lm_head.weight_packed"))  # w8a8, w8a16
+    assert not codes.is_floating_point() and "lm_head.weight_scale" in tensors
+    # doctor: a warning naming the engine versions that load it, no "left unquantized" error
+    assert main(["doctor", str(out), "--json"]) == 1
+    found = {f["code"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    assert set(found) == {"quantized-lm-head"} and "37291" in found["quantized-lm-head"]["why"]
+    q, notes = _load(out)
+    assert not [n for n in notes if "unquantized although" in n], notes
+    assert isinstance(q.model.lm_head, QuantLinear)
+    assert q.model.lm_head.act_quant == ("int8-token" if scheme == "w8a8" else None)
+    ref = _fake_quant_reference(src, q)
+    assert torch.equal(q.model.model.embed_tokens.weight, ref.model.model.embed_tokens.weight)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = ref.model.logits(ref.model(ids).hidden)
+        b = q.model.logits(q.model(ids).hidden)
+    assert (a - b).abs().max() < 2e-2 * a.abs().max()
+    engine = Engine(q.model, draft_vocab=torch.arange(0, VOCAB, 3))
+    assert isinstance(engine.drafter.sub_head, QuantLinear)
+    p = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = list(engine.generate(ids[0].tolist(), p, 0))
+    res = Result()
+    assert list(engine.generate(ids[0].tolist(), p, 3, result=res)) == plain
+    assert res.metrics.num_drafts > 0
 
 
 @pytest.mark.parametrize("scheme", [Scheme("w8a8"), Scheme("w8a16"), Scheme("w4a16", 64),

@@ -132,7 +132,11 @@ def weight_bytes(model) -> dict:
     reads it as its own weight (tied embeddings). The head's own modules count per draft
     step; its logits read the full lm_head, or only the draft-vocabulary rows (added by the
     caller, who knows the drafter)."""
+    from ..quant.linear import QuantLinear
+
     embed = model.model.embed_tokens.weight
+    # A quantized lm_head's ``weight`` would build a float copy; it is never the embedding.
+    lm_w = None if isinstance(model.lm_head, QuantLinear) else model.lm_head.weight
     head_ids = {id(p) for p in model.mtp.parameters()} if model.mtp is not None else set()
     seen: set[int] = set()
     trunk = head = 0
@@ -141,16 +145,14 @@ def weight_bytes(model) -> dict:
             continue
         seen.add(id(p))
         size = p.numel() * p.element_size()
-        if p is embed and p is not model.lm_head.weight:
+        if p is embed and p is not lm_w:
             continue
         if id(p) in head_ids:
-            if p is not embed and p is not model.lm_head.weight:
+            if p is not embed and p is not lm_w:
                 head += size
         else:
             trunk += size
     # Quantized linears keep their weights as buffers (codes, scales, zero points).
-    from ..quant.linear import QuantLinear
-
     def quant_bytes(mod) -> int:
         return sum(b.numel() * b.element_size() for n, b in mod.named_buffers()
                    if n != "bias" and b is not None)

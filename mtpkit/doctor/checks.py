@@ -368,6 +368,19 @@ def _ct_targeted(lay: HFLayout, module: str, runtime: str) -> bool:
     return False
 
 
+def _ct_names(lay: HFLayout, module: str) -> bool:
+    """Whether a config group targets this module by name (not by class)."""
+    for group in (lay.quant_config.get("config_groups") or {}).values():
+        for t in group.get("targets") or []:
+            if not _is_class_target(t) and entry_matches(t, module):
+                return True
+    return False
+
+
+def _is_class_target(t: str) -> bool:
+    return not t.startswith("re:") and "." not in t and t[:1].isupper()
+
+
 def _mtp_code(lay: HFLayout, name: str) -> str:
     return ("mtp-unquantized-not-ignored" if is_mtp_tensor(name, lay.n_layer)
             else "unquantized-not-ignored")
@@ -380,6 +393,7 @@ def _check_ct_modules(rep, lay: HFLayout, engine: str) -> None:
     fused_only: list[str] = []
     conflicts: dict[str, list[str]] = {}
     quant_but_ignored: list[str] = []
+    named_heads: list[str] = []
     for mod in _linear_modules(lay):
         try:
             rt = describe(mod.name, mt, engine, config=lay.raw)
@@ -399,8 +413,23 @@ def _check_ct_modules(rep, lay: HFLayout, engine: str) -> None:
                 not_ignored.setdefault(_mtp_code(lay, mod.name), []).append(
                     mod.name if rt.name == mod.name else f"{mod.name} (built as {rt.name})")
         elif status != IgnoreStatus.QUANTIZED and mod.fmt != "float":
-            quant_but_ignored.append(mod.name)
+            if (mod.name.rsplit(".", 1)[-1] == "lm_head" and status != IgnoreStatus.IGNORED
+                    and _ct_names(lay, mod.name)):
+                named_heads.append(mod.name)
+            else:
+                quant_but_ignored.append(mod.name)
     eng = f"{engine}"
+    if named_heads:
+        # vLLM builds the lm_head as a ParallelLMHead, not a Linear: a compressed-tensors
+        # scheme reaches it only through a target naming it, and only in recent versions.
+        since = {"vllm": "vllm#37291 (March 2026)", "sglang": "sglang#35228 (August 2026)"}
+        rep.add(Finding(
+            "quantized-lm-head", "warning",
+            f"{_few(named_heads)} is stored quantized and named in a config group's targets",
+            f"{eng} loads a quantized lm_head only in versions with {since[engine]}; older "
+            "ones build it as a float embedding and serve wrong tokens without an error",
+            f"use a {eng} release with that change, or write the checkpoint with "
+            "`mtpkit quantize --lm-head keep`", [engine], named_heads[0]))
     for code, mods in not_ignored.items():
         mtp = code.startswith("mtp")
         rep.add(Finding(

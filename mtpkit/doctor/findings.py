@@ -35,6 +35,7 @@ CODES = {
     "ignore-class-name": "a class-name ignore entry, which vLLM does not apply",
     "quantized-tensors-missing": "a module stored quantized lacks tensors its format needs",
     "quantized-but-ignored": "a module stored quantized is left unquantized by the engine",
+    "quantized-lm-head": "the lm_head is stored quantized: engines load it only in recent versions",
     "int4-mtp-head": "the MTP head is stored at 4 bits or less",
     "gguf-nextn-key-missing": "GGUF nextn tensors are present but {arch}.nextn_predict_layers "
                               "is missing or zero",

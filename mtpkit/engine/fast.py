@@ -31,7 +31,9 @@ Exactness: greedy output with MTP equals output without MTP (the accept rule and
 models are those of the eager engine). On quantized trunks that needs every verified row to
 equal the one-token step bit for bit, so their steps attend row by row and every trunk step
 has the same QUANT_ROWS rows with shape-chosen GEMM kernels (``Programs.rowwise`` and
-``Programs.rows``). Sampling is served by the eager engine.
+``Programs.rows``), unless every GEMM of the trunk and the lm_head is row-exact
+(``Programs.row_exact``): then a decode step is one row and a round k+1. Sampling is served
+by the eager engine.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from torch import nn
 from ..models.attention import Attention
 from ..models.layers import MLP, PreNormDecoderLayer, Rotary
 from ..quant.kernels import kernel_choice
-from ..quant.linear import QuantLinear
+from ..quant.linear import QuantLinear, linear_rows
 from .generate import Result, emit
 
 BACKENDS = ("aoti", "inductor", "eager")
@@ -75,6 +77,14 @@ def unsupported_reason(model) -> str | None:
             return (f"{type(layer.self_attn).__name__} / {type(layer.mlp).__name__} "
                     "blocks are not supported (GQA attention + SwiGLU MLP only)")
     return None
+
+
+def row_exact_trunk(model) -> bool:
+    """Whether every Linear of the trunk and the lm_head computes each row independently of
+    the rows around it, bit for bit (mtpkit's int8 kernels; see QuantLinear.row_exact)."""
+    mods = [m for m in model.model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    mods.append(model.lm_head)
+    return all(isinstance(m, QuantLinear) and m.row_exact for m in mods)
 
 
 # -- the model as functions of (modules, tokens, positions, cache buffers) -----------------
@@ -168,7 +178,12 @@ class Programs(nn.Module):
         # at 4; template: 5.4 / 6.9) while staying exact. Two rows, not k+1: the int kernels'
         # cost grows with rows (SmolLM2 w8a16 decode: 20.8 ms at 2 rows, 43.1 at 4), so the
         # quantized fast path drafts one token per round, the best k on this CPU anyway.
-        self.rows = QUANT_ROWS if quantized else None
+        # Unless every trunk GEMM, the lm_head's included, is one of mtpkit's int8 kernels:
+        # those compute a row the same whatever rows come with it (QuantLinear.row_exact),
+        # so steps keep their natural row counts (decode 1, a round k+1) and any k is exact.
+        # (``mtpkit quantize --lm-head same`` writes such checkpoints.)
+        self.row_exact = bool(quantized) and row_exact_trunk(model)
+        self.rows = QUANT_ROWS if quantized and not self.row_exact else None
         # Quantized layers build their packed kernel forms on first use; built here, before
         # export traces the steps, they are the program's constants rather than attributes
         # assigned while tracing (which export warns about, layer by layer).
@@ -177,13 +192,16 @@ class Programs(nn.Module):
                 q(torch.zeros(1, q.in_features, dtype=q.dtype, device=q.scale.device))
         self.register_buffer("vocab", None)
         if model.mtp is not None and draft_vocab is not None and len(draft_vocab):
-            w = model.lm_head.weight
-            self.register_buffer("vocab", draft_vocab.to(w.device, torch.long))
-            # The lm_head rows the draft scores, a weight of its own (packed like the rest).
-            self.draft_head = nn.Linear(cfg.hidden_size, len(draft_vocab), bias=False,
-                                        device=w.device, dtype=w.dtype)
-            self.draft_head.weight = nn.Parameter(w.detach()[self.vocab].contiguous(),
-                                                  requires_grad=False)
+            dev = model.model.embed_tokens.weight.device
+            self.register_buffer("vocab", draft_vocab.to(dev, torch.long))
+            # The lm_head rows the draft scores, a layer of its own in the lm_head's form.
+            self.draft_head = linear_rows(model.lm_head, self.vocab)
+            for p in self.draft_head.parameters():
+                p.requires_grad_(False)
+            if isinstance(self.draft_head, QuantLinear):
+                with torch.no_grad():
+                    self.draft_head(torch.zeros(1, cfg.hidden_size, dtype=self.draft_head.dtype,
+                                                device=dev))
 
     def trunk(self, ids, pos, kc, vc, span=None, rows: int | None = None):
         """Trunk states (after, before the final norm) [1, T, D] of tokens [1, T] at pos;
@@ -242,9 +260,10 @@ class Programs(nn.Module):
         (CPU, max-autotune) picks far better GEMM kernels for two rows than for one
         (SmolLM2 fp32, 2 threads: 18.4 ms for the two-row program against 26.0 ms for one
         row). The copy's cache slot pos + 1 is never read (row 0 sees keys <= pos) and the
-        next step writes its own token there first.
+        next step writes its own token there first. Row-exact quantized trunks run one row:
+        their int8 kernels cost in proportion to rows.
         """
-        r = self.rows or 2
+        r = self.rows or (1 if self.row_exact else 2)
         tokens = token.expand(1, r)
         post, _ = self.trunk(tokens, pos + torch.arange(r, device=pos.device), kc, vc, span,
                              1 if self.rowwise else None)
@@ -639,17 +658,22 @@ class FastDecoder:
         pr, dev, n = self.programs, self.device, len(prompt_ids)
         ids = torch.tensor([prompt_ids], device=dev)
         pos = torch.arange(n, device=dev)
-        post, pre = pr.trunk(ids, pos, self.kc, self.vc)
+        # Attend over the slots in use, not the whole buffer: a 50-token prompt against a
+        # 2,112-slot cache spent most of its time on masked keys (SmolLM2 w8a8: TTFT 420 ms
+        # here against 235 ms for the eager engine).
+        span = self.span(n)
+        post, pre = pr.trunk(ids, pos, self.kc, self.vc, span)
         first = pr.model.logits(post[:, -1]).argmax(-1)
         if not k:
             return first, None, None
         spec = self.model.mtp.spec
         hidden = post if spec.trunk_hidden == "post_norm" else pre
         hpost, hpre = pr.head(torch.cat([ids[:, 1:], first[None]], 1), hidden, pos,
-                              self.hk, self.hv, zero_first=spec.zero_first_embedding)
+                              self.hk, self.hv, span, zero_first=spec.zero_first_embedding)
         state = hpost if spec.chain_hidden == "post_norm" else hpre
         drafts, probs = pr.chain(hpost[0, -1:], state[0, -1:],
-                                 torch.tensor([n], device=dev), self.hk, self.hv, k)
+                                 torch.tensor([n], device=dev), self.hk, self.hv, k,
+                                 self.span(n + k))
         return first, drafts, probs
 
     def generate(self, prompt_ids: list[int], max_tokens: int, k: int = 0, result=None,

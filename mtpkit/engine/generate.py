@@ -12,6 +12,7 @@ import torch
 
 from ..models.base import CausalLM
 from ..models.cache import ModelCache
+from ..quant.linear import linear_rows
 from .accept import accept_greedy, accept_sampled
 from .metrics import SpecMetrics
 from .sampling import SamplingParams, probs, sample
@@ -51,15 +52,15 @@ class MTPDrafter:
         self.spec = model.mtp.spec
         self.vocab = None
         if draft_vocab is not None and len(draft_vocab):
-            w = model.lm_head.weight
-            self.vocab = draft_vocab.to(w.device)
-            self.sub_weight = w[self.vocab].contiguous()  # [N, D]
+            self.vocab = draft_vocab.to(model.model.embed_tokens.weight.device)
+            # Those rows as a layer of the lm_head's own form (int codes stay codes).
+            self.sub_head = linear_rows(model.lm_head, self.vocab)  # D -> N
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [1, N or V] of the draft for head states [1, D]."""
         if self.vocab is None:
             return self.model.logits(hidden)
-        return (hidden @ self.sub_weight.T).float()
+        return self.sub_head(hidden).float()
 
     def propose(
         self,
@@ -116,7 +117,7 @@ class Engine:
     ):
         self.model = model
         self.tokenizer = tokenizer
-        self.device = model.lm_head.weight.device
+        self.device = model.model.embed_tokens.weight.device
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self._cache: ModelCache | None = None
         self._mtp_cache: ModelCache | None = None

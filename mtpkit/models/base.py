@@ -129,7 +129,7 @@ class CausalLM(nn.Module):
         return TrunkOutput(post, pre)
 
     def _positions(self, start: int, t: int) -> torch.Tensor:
-        return torch.arange(start, start + t, device=self.lm_head.weight.device)
+        return torch.arange(start, start + t, device=self.model.embed_tokens.weight.device)
 
     # -- loading --------------------------------------------------------------------------
     def map_checkpoint_name(self, name: str) -> str | None:

@@ -113,6 +113,16 @@ class QuantLinear(nn.Module):
         m.register_buffer("scale", scale.reshape(grid).contiguous())
         return m
 
+    @property
+    def row_exact(self) -> bool:
+        """Whether a row's output is the same bits whatever rows are computed with it:
+        true of mtpkit's int8 kernels (and of W8A8 everywhere: exact integer sums)."""
+        if self.kind != "int" or self.bits != 8 or self.group_size is not None \
+                or self.zero is not None or self.perm is not None:
+            return False
+        return self.act_quant is not None or (self.scale.device.type == "cpu"
+                                              and int8_mm_available())
+
     def _apply(self, fn, recurse=True):
         # Moves between devices apply; dtype casts do not: codes, zero points and scales keep
         # their precision whatever dtype the rest of the model is cast to. The target device
@@ -283,6 +293,23 @@ def a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> t
         q = torch.cat([q, q.new_zeros(17 - m, q.shape[1])])
     acc = torch._int_mm(q, codes.t())[:m]
     return (acc.float() * xs[:, None]) * scale[None, :]
+
+
+def linear_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """A linear layer computing only these output rows of ``linear`` (a draft vocabulary's
+    lm_head rows), kept in the same form: int codes stay codes, float weights stay float."""
+    if isinstance(linear, QuantLinear) and linear.kind == "int":
+        rows = rows.to(linear.scale.device, torch.long)
+        zero, bias = (None if t is None else t[rows] for t in (linear.zero, linear.bias))
+        sub = QuantLinear.from_int(linear.codes[rows], linear.scale[rows], zero, linear.bits,
+                                   linear.group_size, linear.perm, bias)
+        sub.dtype, sub.act_quant, sub.act_note = linear.dtype, linear.act_quant, linear.act_note
+        return sub
+    dtype, device = dtype_device(linear)
+    w = linear.weight.detach()[rows.to(device, torch.long)].contiguous()
+    sub = nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=dtype)
+    sub.weight = nn.Parameter(w, requires_grad=False)
+    return sub
 
 
 def dtype_device(linear: nn.Module) -> tuple[torch.dtype, torch.device]:

@@ -30,6 +30,7 @@ from .formats import quant_config_of, scan
 from .pack import Scheme, config_group, quantize_weight
 
 MTP_MODES = ("keep", "same", "w8a16")
+LM_HEAD_MODES = ("keep", "same")
 SHARD_BYTES = 2 << 30
 # Linear modules that combine the MTP head's inputs: vLLM builds them unquantized.
 _MTP_COMBINE = ("mtp.fc.",)
@@ -59,13 +60,17 @@ def quantize_checkpoint(
     method: str = "rtn",
     calib_data: list[str] | None = None,
     calib_tokens: int = 8192,
+    lm_head: str = "keep",
 ) -> QuantizeReport:
     """Write ``model`` quantized with ``scheme`` as a compressed-tensors folder at ``out``;
-    ``head`` (a `mtpkit calibrate` folder) is merged in as the checkpoint's own ``mtp.*``."""
+    ``head`` (a `mtpkit calibrate` folder) is merged in as the checkpoint's own ``mtp.*``;
+    ``lm_head="same"`` quantizes the lm_head too (untied from the embedding if tied)."""
     src, dst = Path(model).resolve(), Path(out).resolve()
     _check_paths(src, dst, force)
     if mtp not in MTP_MODES:
         raise ValueError(f"--mtp must be one of {', '.join(MTP_MODES)}, got {mtp!r}")
+    if lm_head not in LM_HEAD_MODES:
+        raise ValueError(f"--lm-head must be one of {', '.join(LM_HEAD_MODES)}, got {lm_head!r}")
     ckpt = open_checkpoint(src)
     if getattr(ckpt, "arch", None) is not None:
         raise ValueError(f"{src} is a GGUF file; quantize the HF (BF16/FP32) checkpoint instead")
@@ -75,6 +80,8 @@ def quantize_checkpoint(
         from ..train.heads import WithHead
 
         ckpt = WithHead(ckpt, head)
+    if lm_head == "same":
+        ckpt = _untied(ckpt)
     if method not in ("rtn", "gptq"):
         raise ValueError(f"--method must be rtn or gptq, got {method!r}")
     if method == "gptq" and not calib_data:
@@ -87,7 +94,7 @@ def quantize_checkpoint(
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        plan = _plan(ckpt, layout, scheme, mtp_scheme)
+        plan = _plan(ckpt, layout, scheme, mtp_scheme, lm_head == "same")
         hessians = {}
         if method == "gptq":
             hessians = _hessians(src, head, layout, plan, calib_data, calib_tokens, log)
@@ -117,12 +124,17 @@ def quantize_checkpoint(
             log(f"quantized {prefix} ({use.name})")
         index = shards.finish()
         report.bytes_out = index["metadata"]["total_size"]
-        report.ignore = _ignore_list(report.kept, layout)
+        head_done = "lm_head" in report.quantized
+        report.ignore = _ignore_list(report.kept, layout, lm_head=not head_done)
         config = json.loads((src / "config.json").read_text())
         if head is not None:
             _declare_head(config, ckpt, tmp)
+        if head_done:
+            for c in (config, config.get("text_config")):
+                if isinstance(c, dict) and "tie_word_embeddings" in c:
+                    c["tie_word_embeddings"] = False
         config["quantization_config"] = _quant_config(scheme, mtp_scheme, groups, report.ignore,
-                                                      layout.model_type)
+                                                      layout.model_type, head_done)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         _copy_side_files(src, tmp)
@@ -192,8 +204,10 @@ class _Layout:
         return mapped.startswith(_MTP_COMBINE)
 
 
-def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None) -> dict:
-    """On-disk Linear module -> the scheme it is written in (None: kept as stored)."""
+def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None,
+          lm_head: bool = False) -> dict:
+    """On-disk Linear module -> the scheme it is written in (None: kept as stored);
+    ``lm_head``: the lm_head too, in the trunk's scheme."""
     from ..checkpoint.runtime_names import runtime_module
 
     plan: dict[str, Scheme | None] = {}
@@ -205,7 +219,7 @@ def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None) -> d
         use = mtp_scheme if is_mtp else scheme
         shape = tuple(ckpt.get_tensor(name).shape) if not hasattr(ckpt, "tensor_shape") \
             else tuple(ckpt.tensor_shape(name))
-        if (use is None or name.startswith("lm_head.") or layout.is_combine(name)
+        if (use is None or (name.startswith("lm_head.") and not lm_head) or layout.is_combine(name)
                 or len(shape) != 2 or not use.fits(*shape)):
             use = None
         plan[prefix] = use
@@ -251,15 +265,21 @@ def _hessians(src, head, layout: _Layout, plan: dict, files, tokens: int, log) -
     return {wanted[p]: h for p, h in stats.items()}
 
 
-def _ignore_list(kept: list[str], layout: _Layout) -> list[str]:
+def _ignore_list(kept: list[str], layout: _Layout, lm_head: bool = True) -> list[str]:
     from ..checkpoint.runtime_names import ignore_list_for
 
-    # lm_head is listed even when tied to the embedding, as llm-compressor writes it.
-    return ignore_list_for(sorted({*kept, "lm_head"}), layout.model_type, config=layout.config)
+    # An unquantized lm_head is listed even when tied to the embedding, as llm-compressor
+    # writes it.
+    names = {*kept, "lm_head"} if lm_head else set(kept)
+    return ignore_list_for(sorted(names), layout.model_type, config=layout.config)
 
 
-def _quant_config(scheme, mtp_scheme, groups: dict, ignore: list[str], model_type) -> dict:
-    cfg_groups = {"group_0": config_group(scheme, ["Linear"])}
+def _quant_config(scheme, mtp_scheme, groups: dict, ignore: list[str], model_type,
+                  lm_head: bool = False) -> dict:
+    # A quantized lm_head is named as well as matched by class: vLLM builds it as a
+    # ParallelLMHead, not a Linear, and matches its quantization by name.
+    cfg_groups = {"group_0": config_group(scheme, ["Linear", "lm_head"] if lm_head
+                                          else ["Linear"])}
     if mtp_scheme is not None and mtp_scheme.name != scheme.name and groups.get(mtp_scheme.name):
         # Exact names outrank the class target in vLLM's and compressed-tensors' matching.
         from ..checkpoint.runtime_names import runtime_module
@@ -277,6 +297,57 @@ def _quant_config(scheme, mtp_scheme, groups: dict, ignore: list[str], model_typ
         "ignore": ignore,
         "quantization_status": "compressed",
     }
+
+
+class _UntiedHead:
+    """A checkpoint whose tied lm_head is stored as a tensor of its own (the embedding's
+    values), so that it can be quantized apart from the embedding."""
+
+    def __init__(self, ckpt, embedding: str) -> None:
+        self.ckpt, self.embedding = ckpt, embedding
+
+    def _src(self, name: str) -> str:
+        return self.embedding if name == "lm_head.weight" else name
+
+    def hf_config(self) -> dict:
+        """The config, untied."""
+        from ..engine.loader import hf_config_of
+
+        return {**hf_config_of(self.ckpt), "tie_word_embeddings": False}
+
+    def tensor_names(self) -> list[str]:
+        """Every tensor, lm_head.weight added."""
+        return [*self.ckpt.tensor_names(), "lm_head.weight"]
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """A tensor; lm_head.weight reads the embedding."""
+        return self.ckpt.get_tensor(self._src(name))
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Shape without reading the tensor."""
+        if hasattr(self.ckpt, "tensor_shape"):
+            return tuple(self.ckpt.tensor_shape(self._src(name)))
+        return tuple(self.ckpt.get_tensor(self._src(name)).shape)
+
+    def __getattr__(self, name):
+        return getattr(self.ckpt, name)
+
+
+def _untied(ckpt):
+    """``ckpt`` with an lm_head tensor of its own (itself when it has one already)."""
+    from ..engine.loader import hf_config_of
+
+    names = set(ckpt.tensor_names())
+    if "lm_head.weight" in names:
+        return ckpt
+    if not hf_config_of(ckpt).get("tie_word_embeddings"):
+        raise ValueError("--lm-head same: the checkpoint has no lm_head.weight and does not "
+                         "tie it to the embedding; is it complete?")
+    for embedding in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+        if embedding in names:
+            return _UntiedHead(ckpt, embedding)
+    raise ValueError("--lm-head same: the lm_head is tied to an embedding tensor mtpkit does "
+                     "not know the name of; quantize with --lm-head keep")
 
 
 class _ShardWriter:

@@ -73,7 +73,7 @@ def teacher_eval(
         batch = [c for _, c in zip(range(batch_size), chunks, strict=False)]
         if not batch:
             break
-        ids = torch.tensor(batch, device=model.lm_head.weight.device)
+        ids = torch.tensor(batch, device=model.model.embed_tokens.weight.device)
         out = model(ids)
         greedy = model.logits(out.hidden).argmax(-1)  # [B, T]: trunk's choice after each pos
         t = ids.shape[1]
