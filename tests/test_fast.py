@@ -264,3 +264,13 @@ def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines):
             got, res = _fast(dec, prompt, k)
             assert got == want, f"k={k} prompt={prompt}"
     assert res.metrics.num_draft_tokens > 2 * res.metrics.num_drafts
+
+
+def test_program_keys_tell_w8a8_from_w8a16(quantized_engines):
+    """W8A8 and W8A16 copies of one model hold the same int8 codes and scales; their
+    compiled programs differ (activations quantized or not) and must not share a key."""
+    from mtpkit.engine.fast import Programs, model_fingerprint
+
+    a8, w8 = quantized_engines["w8a8-lm"].model, quantized_engines["w8a16-lm"].model
+    assert torch.equal(a8.lm_head.codes, w8.lm_head.codes)
+    assert model_fingerprint(Programs(a8, None)) != model_fingerprint(Programs(w8, None))

@@ -409,6 +409,9 @@ def test_quantize_refuses_to_touch_its_input(checkpoint_factory, tmp_path, capsy
     assert main(["quantize", "--model", str(tmp_path / "q"), "--out",
                  str(tmp_path / "qq")]) == 2
     assert "already quantized" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(copy), "--out", str(tmp_path / "g.gguf"),
+                 "--format", "gguf", "--lm-head", "same"]) == 2
+    assert "--lm-head applies to compressed-tensors" in capsys.readouterr().err
     assert before == {p.name: p.read_bytes() for p in copy.iterdir()}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 

@@ -349,6 +349,11 @@ def model_fingerprint(programs: Programs) -> str:
         sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{summary}".encode())
         h.update(sample)
+    # How a quantized layer computes is not all in its tensors: W8A8 and W8A16 copies of a
+    # model hold the same int8 codes and scales, and must not share programs.
+    for name, mod in programs.named_modules():
+        if isinstance(mod, QuantLinear):
+            h.update(f"{name}|{mod.extra_repr()}|{mod.dtype}|{mod.block}".encode())
     return h.hexdigest()[:24]
 
 
@@ -613,7 +618,8 @@ class FastDecoder:
             raise ValueError(
                 f"on quantized trunks the compiled path drafts at most {deepest} token(s) per "
                 f"round (every step shares one {deepest + 1}-row shape, which keeps MTP "
-                f"lossless); use -k {deepest} or less, or drop --compile for deeper drafts")
+                f"lossless); use -k {deepest} or less, drop --compile, or quantize the "
+                "lm_head too (int8: `mtpkit quantize --lm-head same`), which lifts the limit")
 
     def served_k(self, k: int) -> int:
         """The draft depth a request asking for k gets: k, or the deepest this decoder drafts

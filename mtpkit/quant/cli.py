@@ -62,6 +62,9 @@ def run(a) -> int:
         if a.head is not None:
             raise ValueError("--head with --format gguf is not supported yet; GGUF output "
                              "takes checkpoints whose MTP layers are their own")
+        if a.lm_head != "keep":
+            raise ValueError("--lm-head applies to compressed-tensors output; drop it for "
+                             "--format gguf, whose writer decides the lm_head's type")
         path = quantize_gguf(model, a.out, a.gguf_type, force=a.force)
         print(f"wrote {path} ({a.gguf_type})", file=sys.stderr)
         return 0
