@@ -587,6 +587,20 @@ def test_lm_head_same_quantizes_the_lm_head(checkpoint_factory, tmp_path, fam, s
     assert res.metrics.num_drafts > 0
 
 
+def test_lm_head_the_scheme_cannot_take_stays_tied(checkpoint_factory, tmp_path, capsys):
+    """`--lm-head same` with a group size the lm_head's width does not divide keeps it tied
+    (no float copy written beside the embedding) and says so."""
+    src = checkpoint_factory("llama_tied")
+    width = json.loads((src / "config.json").read_text())["hidden_size"]
+    out = tmp_path / "q"
+    _quantize(src, out, "--scheme", "w4a16", "--group-size", str(width * 2), "--lm-head", "same")
+    assert "lm_head was kept unquantized" in capsys.readouterr().err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True
+    names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not [n for n in names if n.startswith("lm_head.")]
+
+
 @pytest.mark.parametrize("scheme", [Scheme("w8a8"), Scheme("w8a16"), Scheme("w4a16", 64),
                                     Scheme("fp8")])
 def test_graft_match_reads_the_destinations_scheme(scheme):

@@ -95,6 +95,10 @@ def quantize_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         plan = _plan(ckpt, layout, scheme, mtp_scheme, lm_head == "same")
+        if isinstance(ckpt, _UntiedHead) and plan.get("lm_head") is None:
+            # The scheme cannot take the lm_head's shape: it stays tied, not copied.
+            ckpt = ckpt.ckpt
+            plan.pop("lm_head", None)
         hessians = {}
         if method == "gptq":
             hessians = _hessians(src, head, layout, plan, calib_data, calib_tokens, log)
