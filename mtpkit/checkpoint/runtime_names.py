@@ -331,7 +331,8 @@ def map_ignore_entries(
     return out
 
 
-def _is_class_name(entry: str) -> bool:
+def is_class_name(entry: str) -> bool:
+    """Whether a compressed-tensors ignore entry or target names a class ("Linear")."""
     return not entry.startswith("re:") and "." not in entry and entry[:1].isupper()
 
 
@@ -354,7 +355,7 @@ def ignore_status(
         # linear layer; the modules asked about here are linear layers).
         hit = any(entry_matches(e, rt.name) or e == "Linear" for e in entries)
         return IgnoreStatus.IGNORED if hit else IgnoreStatus.QUANTIZED
-    names = [e for e in entries if not _is_class_name(e)]  # vLLM does not match classes
+    names = [e for e in entries if not is_class_name(e)]  # vLLM does not match classes
     if rt.shards and rt.name not in names:
         hits = {any(entry_matches(e, s) for e in names) for s in rt.shards}
         if len(hits) > 1:

@@ -11,6 +11,7 @@ from ..checkpoint.runtime_names import (
     describe,
     entry_matches,
     ignore_status,
+    is_class_name,
     map_ignore_entries,
 )
 from .findings import Finding, Report
@@ -372,13 +373,9 @@ def _ct_names(lay: HFLayout, module: str) -> bool:
     """Whether a config group targets this module by name (not by class)."""
     for group in (lay.quant_config.get("config_groups") or {}).values():
         for t in group.get("targets") or []:
-            if not _is_class_target(t) and entry_matches(t, module):
+            if not is_class_name(t) and entry_matches(t, module):
                 return True
     return False
-
-
-def _is_class_target(t: str) -> bool:
-    return not t.startswith("re:") and "." not in t and t[:1].isupper()
 
 
 def _mtp_code(lay: HFLayout, name: str) -> str:
@@ -541,7 +538,7 @@ def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]
                         f"start) against {engine}'s module names; the modules it was meant "
                         "to keep unquantized are built quantized"))
             continue
-        if "." not in entry and entry[:1].isupper():
+        if is_class_name(entry):
             out.append((entry, "ignore-class-name", "info",
                         f"ignore entry {entry!r} is a class name; {engine} does not match "
                         "class names in ignore (compressed-tensors does)", ""))

@@ -184,24 +184,20 @@ class Programs(nn.Module):
         # (``mtpkit quantize --lm-head same`` writes such checkpoints.)
         self.row_exact = bool(quantized) and row_exact_trunk(model)
         self.rows = QUANT_ROWS if quantized and not self.row_exact else None
-        # Quantized layers build their packed kernel forms on first use; built here, before
-        # export traces the steps, they are the program's constants rather than attributes
-        # assigned while tracing (which export warns about, layer by layer).
-        with torch.no_grad():
-            for q in quantized:
-                q(torch.zeros(1, q.in_features, dtype=q.dtype, device=q.scale.device))
         self.register_buffer("vocab", None)
         if model.mtp is not None and draft_vocab is not None and len(draft_vocab):
             dev = model.model.embed_tokens.weight.device
             self.register_buffer("vocab", draft_vocab.to(dev, torch.long))
             # The lm_head rows the draft scores, a layer of its own in the lm_head's form.
             self.draft_head = linear_rows(model.lm_head, self.vocab)
-            for p in self.draft_head.parameters():
-                p.requires_grad_(False)
-            if isinstance(self.draft_head, QuantLinear):
-                with torch.no_grad():
-                    self.draft_head(torch.zeros(1, cfg.hidden_size, dtype=self.draft_head.dtype,
-                                                device=dev))
+        # Quantized layers (the draft head's included) build their packed kernel forms on
+        # first use; built here, before export traces the steps, they are the program's
+        # constants rather than attributes assigned while tracing (which export warns
+        # about, layer by layer).
+        with torch.no_grad():
+            for q in self.modules():
+                if isinstance(q, QuantLinear):
+                    q(torch.zeros(1, q.in_features, dtype=q.dtype, device=q.scale.device))
 
     def trunk(self, ids, pos, kc, vc, span=None, rows: int | None = None):
         """Trunk states (after, before the final norm) [1, T, D] of tokens [1, T] at pos;

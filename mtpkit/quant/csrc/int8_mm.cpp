@@ -122,6 +122,14 @@ __attribute__((noinline)) void a8_rows(const int8_t* q, const float* xs, int64_t
   }
 }
 
+// Threads split the output columns [0, N) in blocks of 8 and call f(n0, n1) on their share;
+// a column's arithmetic is independent of which thread computes it.
+template <class F>
+void over_columns(int64_t N, const F& f) {
+  at::parallel_for(0, (N + 7) / 8, 4,
+                   [&](int64_t b, int64_t e) { f(8 * b, std::min(N, 8 * e)); });
+}
+
 }  // namespace
 #endif
 
@@ -145,10 +153,7 @@ static at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Te
   const int8_t* wp = wc.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Threads split the output columns in blocks of 8; a column's arithmetic is independent
-  // of which thread computes it.
-  at::parallel_for(0, (N + 7) / 8, 4, [&](int64_t b, int64_t e) {
-    const int64_t n0 = 8 * b, n1 = std::min(N, 8 * e);
+  over_columns(N, [&](int64_t n0, int64_t n1) {
     int64_t m = 0;
     for (; m + 2 <= M; m += 2) rows_kernel<2>(xp + m * K, K, wp, sp, yp + m * N, N, n0, n1);
     if (m < M) rows_kernel<1>(xp + m * K, K, wp, sp, yp + m * N, N, n0, n1);
@@ -178,8 +183,7 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
   const int8_t* wp = wc.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + 7) / 8, 4, [&](int64_t b, int64_t e) {
-    const int64_t n0 = 8 * b, n1 = std::min(N, 8 * e);
+  over_columns(N, [&](int64_t n0, int64_t n1) {
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) a8_rows<4>(qp + m * K, xsp + m, K, wp, sp, yp + m * N, N, n0, n1);
     if (m + 2 <= M) {
