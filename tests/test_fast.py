@@ -210,6 +210,29 @@ def test_quantized_verify_rows_equal_one_token_steps(scheme, quantized_engines):
             assert torch.equal(one[0, 0], rows[0, j]), f"row {j}"
 
 
+@pytest.mark.parametrize("scheme", ["w8a8-lm", "w8a16-lm"])
+def test_row_exact_trunks_stack_qkv_and_gate_up_exactly(scheme, quantized_engines):
+    """Row-exact trunks run q/k/v and gate/up as one int8 layer each; the trunk's states and
+    cache entries are the same bits as with the layers apart."""
+    engine = quantized_engines[scheme]
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    pr = dec.programs
+    assert pr.fused is not None and all(set(f) == {"qkv", "gate_up"} for f in pr.fused)
+    tokens = torch.tensor([[7, 19, 3, 44]])
+    outs, stacked = [], pr.fused
+    with torch.inference_mode():
+        for fused in (stacked, None):
+            for b in dec.kc + dec.vc:
+                b.zero_()
+            pr.fused = fused
+            post, pre = pr.trunk(tokens, torch.arange(4), dec.kc, dec.vc, dec.span(8), 4)
+            outs.append((post, pre, [b.clone() for b in dec.kc + dec.vc]))
+    pr.fused = stacked
+    (a, b, ca), (c, d, cb) = outs
+    assert torch.equal(a, c) and torch.equal(b, d)
+    assert all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
+
+
 @pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8-lm", "w8a16-lm"])
 def test_quantized_models_take_the_fast_path_exactly(scheme, quantized_engines):
     """int8/int4 trunks decode through the fast path with the eager engine's tokens, at every

@@ -92,6 +92,69 @@ def test_hand_int8_kernel_is_exact_and_row_independent(n, k):
         torch.ops.mtpkit.int8_mm(x.double(), codes, scale)
 
 
+@pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's kernels do not build here")
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (6, 1, 20),
+                                                (8, 8, 72), (16, 2, 128)])
+def test_row_attention_kernel_matches_sdpa(heads, kv_heads, dim):
+    """mtpkit::attend_row (one query row over a cache span, keys 0..pos) against float64
+    SDPA with the mask the fast path builds; spans narrowed from a larger buffer, positions
+    before, at and past the span's end, lengths off the 8-lane grid; and the same bits
+    whatever the thread count or the span's unread tail holds."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(7)
+    kbuf = torch.randn(1, kv_heads, 300, dim, generator=g)
+    vbuf = torch.randn(1, kv_heads, 300, dim, generator=g)
+    group = heads // kv_heads
+    for span in (1, 7, 9, 136, 300):
+        keys, values = kbuf.narrow(2, 0, span)[0], vbuf.narrow(2, 0, span)[0]
+        for pos in {0, 5, span - 1, span + 4}:
+            q = torch.randn(heads, dim, generator=g) * 3
+            got = torch.ops.mtpkit.attend_row(q, keys, values, torch.tensor([pos]))
+            mask = (torch.arange(span) <= pos)[None].expand(group, span)
+            want = F.scaled_dot_product_attention(
+                q.view(1, kv_heads, group, dim).double(), keys[None].double(),
+                values[None].double(), attn_mask=mask).view(heads, dim)
+            assert (got.double() - want).abs().max() <= 2e-5, (span, pos)
+    threads = torch.get_num_threads()
+    q = torch.randn(heads, dim, generator=g)
+    one = torch.ops.mtpkit.attend_row(q, keys, values, torch.tensor([200]))
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.mtpkit.attend_row(q, keys, values, torch.tensor([200])), one)
+    finally:
+        torch.set_num_threads(threads)
+    vbuf[0, :, 201:] = 1e6  # past pos: never read
+    assert torch.equal(torch.ops.mtpkit.attend_row(q, keys, values, torch.tensor([200])), one)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.mtpkit.attend_row(q.double(), keys, values, torch.tensor([0]))
+
+
+@pytest.mark.parametrize("act", [None, "int8-token"])
+def test_stacked_int8_layers_give_each_layers_bits(act):
+    """stack_outputs (the fast path's q/k/v and gate/up as one layer) computes every output
+    exactly as its own layer does, for one row and several, biases included; layers that
+    are not row-exact or differ in scheme are not stacked."""
+    from mtpkit.quant.linear import stack_outputs
+
+    if act is None and not int8_mm_available():
+        pytest.skip("row-exact W8A16 needs mtpkit's int8 kernel")
+    parts = [_int_layer(8, None, False, False, n=n, k=96, seed=i)
+             for i, n in enumerate((64, 16, 16))]
+    for i, m in enumerate(parts):
+        m.act_quant = act
+        m.bias = torch.randn(m.out_features, generator=torch.Generator().manual_seed(9 + i))
+    both = stack_outputs(parts)
+    assert both is not None and both.out_features == 96 and both.row_exact
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(4))
+    for rows in (x[:1], x):
+        assert torch.equal(both(rows), torch.cat([m(rows) for m in parts], dim=-1))
+    other = _int_layer(8, None, False, False, n=16, k=96)
+    other.act_quant = "int8-token" if act is None else None
+    assert stack_outputs([parts[0], other]) is None
+    assert stack_outputs([parts[0], _int_layer(8, None, True, False, n=16, k=96)]) is None
+
+
 def _a8_float64(x, codes, scale):
     """W8A8 from its definition, in float64 (exact for these integer sums)."""
     xs = x.float().abs().amax(-1) / 127

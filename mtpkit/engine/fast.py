@@ -53,8 +53,8 @@ from torch import nn
 
 from ..models.attention import Attention
 from ..models.layers import MLP, PreNormDecoderLayer, Rotary
-from ..quant.kernels import kernel_choice
-from ..quant.linear import QuantLinear, linear_rows
+from ..quant.kernels import int8_mm_available, kernel_choice
+from ..quant.linear import QuantLinear, linear_rows, stack_outputs
 from .generate import Result, emit
 
 BACKENDS = ("aoti", "inductor", "eager")
@@ -88,24 +88,31 @@ def row_exact_trunk(model) -> bool:
 
 
 # -- the model as functions of (modules, tokens, positions, cache buffers) -----------------
-def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+def _mlp(mlp: MLP, x: torch.Tensor, fused: nn.ModuleDict | None = None) -> torch.Tensor:
+    if fused is not None and "gate_up" in fused:
+        gate, up = fused["gate_up"](x).chunk(2, dim=-1)
+        return mlp.down_proj(F.silu(gate) * up)
     return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
 
 
 def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
-               rows: int | None = None) -> torch.Tensor:
+               rows: int | None = None, fused: nn.ModuleDict | None = None) -> torch.Tensor:
     """GQA attention of x [1, T, D] at positions pos [T], writing the static buffers;
-    ``rows``: attend the first ``rows`` rows one query row at a time (see Programs)."""
+    ``rows``: attend the first ``rows`` rows one query row at a time (see Programs);
+    ``fused``: q/k/v as one layer ("qkv", see Programs)."""
     b, t, _ = x.shape
     nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q = attn.q_proj(x)
+    if fused is not None and "qkv" in fused:
+        q, k, v = fused["qkv"](x).split([attn.q_proj.out_features, nkv * hd, nkv * hd], -1)
+    else:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     gate = None
     if attn.output_gate:
-        q, gate = q.view(b, t, nh, 2 * hd).chunk(2, dim=-1)
+        q, gate = q.reshape(b, t, nh, 2 * hd).chunk(2, dim=-1)
         gate = gate.reshape(b, t, nh * hd)
     q = q.reshape(b, t, nh, hd)
-    k = attn.k_proj(x).view(b, t, nkv, hd)
-    v = attn.v_proj(x).view(b, t, nkv, hd)
+    k = k.reshape(b, t, nkv, hd)
+    v = v.reshape(b, t, nkv, hd)
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -122,9 +129,15 @@ def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
     if rows is None:
         out = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, hd), keys, values,
                                              attn_mask=mask).view(b, nh, t, hd)
+    elif _row_kernel(q, kbuf):
+        # One call per query row, each the same call a one-token step makes: mtpkit's
+        # one-row kernel (keys 0..pos[j], the mask's rule) costs a third of torch's SDPA
+        # here; rows past ``rows`` are padding and copy the last.
+        outs = [torch.ops.mtpkit.attend_row(q[0, :, j], keys[0], values[0], pos[j : j + 1])
+                .view(b, nh, 1, hd) for j in range(rows)]
+        out = torch.cat(outs + outs[-1:] * (t - rows), dim=2)
     else:
-        # One call per query row, each the same call a one-token step makes (mask rows
-        # j, j+t, .. are row j's); rows past ``rows`` are padding and copy the last.
+        # As above through torch's SDPA (mask rows j, j+t, .. are row j's).
         outs = [F.scaled_dot_product_attention(q[:, :, j : j + 1].reshape(b, nkv, g, hd), keys,
                                                values, attn_mask=mask[j::t]).view(b, nh, 1, hd)
                 for j in range(rows)]
@@ -135,10 +148,16 @@ def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
     return attn.o_proj(out)
 
 
-def _block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows=None) -> torch.Tensor:
+def _row_kernel(q: torch.Tensor, kbuf: torch.Tensor) -> bool:
+    """Whether row-by-row attention can take mtpkit's CPU kernel (fp32, kernels built)."""
+    return (q.device.type == "cpu" and q.dtype == kbuf.dtype == torch.float32
+            and int8_mm_available())
+
+
+def _block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows=None, fused=None) -> torch.Tensor:
     x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, kbuf, vbuf, pos,
-                       mask, rows)
-    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+                       mask, rows, fused)
+    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
 
 
 def _span(span: torch.Tensor | None, buf: torch.Tensor) -> int:
@@ -184,6 +203,18 @@ class Programs(nn.Module):
         # (``mtpkit quantize --lm-head same`` writes such checkpoints.)
         self.row_exact = bool(quantized) and row_exact_trunk(model)
         self.rows = QUANT_ROWS if quantized and not self.row_exact else None
+        # Row-exact trunks also run q/k/v and gate/up as one int8 layer each (the same bits
+        # as apart, see stack_outputs): 4 kernel calls a layer instead of 7, and one
+        # activation quantization where W8A8 made three (SmolLM2 w8a8, one process:
+        # decode 14.85 -> 13.56 ms, a k=1 round 24.02 -> 22.30 ms).
+        self.fused = None
+        if self.row_exact:
+            self.fused = nn.ModuleList(nn.ModuleDict({
+                name: layer for name, layer in (
+                    ("qkv", stack_outputs([block.self_attn.q_proj, block.self_attn.k_proj,
+                                           block.self_attn.v_proj])),
+                    ("gate_up", stack_outputs([block.mlp.gate_proj, block.mlp.up_proj])))
+                if layer is not None}) for block in model.model.layers)
         self.register_buffer("vocab", None)
         if model.mtp is not None and draft_vocab is not None and len(draft_vocab):
             dev = model.model.embed_tokens.weight.device
@@ -208,7 +239,8 @@ class Programs(nn.Module):
         cos, sin = m.rotary.cos_sin(pos)
         x = m.model.embed_tokens(ids)
         for i, layer in enumerate(m.model.layers):
-            x = _block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows)
+            x = _block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows,
+                       None if self.fused is None else self.fused[i])
         return m.model.norm(x), x
 
     def head(self, ids, hidden, pos, hk, hv, span=None, zero_first: bool = False):
@@ -355,11 +387,12 @@ def model_fingerprint(programs: Programs) -> str:
 
 def _source_digest() -> str:
     """A digest of the code a program is traced from: this file, the layers and model
-    families (``mtpkit/models``), the quantized linear and its kernel; a change to any of
-    them must not reuse a program built from the old code."""
+    families (``mtpkit/models``), the quantized linear and the hand-written kernels; a change
+    to any of them must not reuse a program built from the old code."""
     root = Path(__file__).resolve().parent.parent
     files = [Path(__file__).resolve(), root / "quant" / "linear.py",
-             root / "quant" / "csrc" / "int8_mm.cpp", *sorted((root / "models").glob("*.py"))]
+             *sorted((root / "quant" / "csrc").glob("*.cpp")),
+             *sorted((root / "models").glob("*.py"))]
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())

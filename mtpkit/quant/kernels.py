@@ -1,9 +1,10 @@
-"""The hand-written CPU int8 kernel (``csrc/int8_mm.cpp``): built on first use, cached.
+"""The hand-written CPU kernels (``csrc/``): built on first use, cached.
 
 ``int8_mm_available()`` builds the extension once per source version with the C++ compiler
 torch's inductor also needs (into ``<mtpkit cache>/ext``) and registers
-``torch.ops.mtpkit.int8_mm``. Where it cannot (no compiler, no AVX2, or
-``MTPKIT_INT8_KERNEL=library``) it says why once and callers use torch's own kernel.
+``torch.ops.mtpkit.int8_mm``, ``int8_a8_mm`` and ``attend_row`` (one query row's attention,
+for the compiled path's row-by-row steps). Where it cannot (no compiler, no AVX2, or
+``MTPKIT_INT8_KERNEL=library``) it says why once and callers use torch's own kernels.
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_mm.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "attend_row.cpp")
 _state: dict = {}  # "ok": bool, "why": str, once per process
 
 
 def source_digest() -> str:
-    """A digest of the kernel source (compiled programs that call it key on it)."""
-    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+    """A digest of the kernel sources (compiled programs that call them key on it)."""
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _unsupported() -> str | None:
@@ -44,18 +49,23 @@ def _build() -> None:
     folder = cache_dir() / "ext" / name
     folder.mkdir(parents=True, exist_ok=True)
     # cpp_extension locks the folder while building, so parallel first uses are safe.
-    lib = load(name, [str(_SOURCE)], build_directory=str(folder), is_python_module=False,
-               extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+    lib = load(name, [str(src) for src in _SOURCES], build_directory=str(folder),
+               is_python_module=False, extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
                extra_ldflags=["-fopenmp"], verbose=False)
     if isinstance(lib, str):  # older torch returns the path instead of loading it
         torch.ops.load_library(lib)
 
     for op in ("mtpkit::int8_mm", "mtpkit::int8_a8_mm"):
         torch.library.register_fake(op)(_fake_mm)
+    torch.library.register_fake("mtpkit::attend_row")(_fake_attend)
 
 
 def _fake_mm(x, w, s):
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _fake_attend(q, k, v, pos):
+    return q.new_empty(q.shape[0], q.shape[1])
 
 
 def int8_mm_available() -> bool:

@@ -312,6 +312,24 @@ def linear_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
     return sub
 
 
+def stack_outputs(linears: list[nn.Module]) -> QuantLinear | None:
+    """One row-exact int8 layer computing the outputs of ``linears`` side by side (q/k/v,
+    gate/up): the same bits as each alone, in one kernel call; None where they differ in
+    scheme, input or bias, or are not row-exact."""
+    first = linears[0]
+    if not all(isinstance(m, QuantLinear) and m.row_exact for m in linears):
+        return None
+    if any(m.in_features != first.in_features or m.act_quant != first.act_quant
+           or m.dtype != first.dtype or (m.bias is None) != (first.bias is None)
+           for m in linears):
+        return None
+    bias = None if first.bias is None else torch.cat([m.bias for m in linears])
+    out = QuantLinear.from_int(torch.cat([m.codes for m in linears]),
+                               torch.cat([m.scale for m in linears]), None, 8, None, bias=bias)
+    out.dtype, out.act_quant = first.dtype, first.act_quant
+    return out
+
+
 def dtype_device(linear: nn.Module) -> tuple[torch.dtype, torch.device]:
     """Compute dtype and device of a Linear or QuantLinear, without dequantizing anything."""
     if isinstance(linear, QuantLinear):
