@@ -401,7 +401,7 @@ def print_offline(result: dict, out: Path) -> None:
     con.print(t)
     _load_warning(con, result["environment"])
     if bw:
-        con.print(f"memory bandwidth (torch copy, read+write): {bw:.1f} GB/s; bound = "
+        con.print(f"memory read bandwidth (torch sum): {bw:.1f} GB/s; bound = "
                   f"tokens per step x bandwidth / weight bytes read per step")
     same = ("identical across k" if result["identical_across_k"]
             else "[red]DIFFERENT across k (a bug: greedy MTP must be lossless)[/red]")
@@ -725,7 +725,7 @@ def print_compare(result: dict, out: Path) -> None:
     con = _console()
     con.print(t)
     _load_warning(con, result["environment"])
-    con.print(f"memory bandwidth (torch copy, read+write): {result['bandwidth_gbs']:.1f} GB/s")
+    con.print(f"memory read bandwidth (torch sum): {result['bandwidth_gbs']:.1f} GB/s")
     if result["mtpkit_lossless"]:
         con.print("mtpkit with and without MTP: identical greedy outputs")
     else:
