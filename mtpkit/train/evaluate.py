@@ -10,6 +10,7 @@ import torch
 from ..engine.generate import Engine, Result
 from ..engine.metrics import SpecMetrics
 from ..engine.sampling import SamplingParams
+from ..quant.linear import linear_rows
 from .data import iter_chunks
 
 
@@ -64,7 +65,9 @@ def teacher_eval(
     """Per-position acceptance of k chained greedy drafts, batched over corpus chunks.
 
     With ``draft_vocab`` the drafts come from that token subset, as when decoding."""
-    sub = model.lm_head.weight[draft_vocab] if draft_vocab is not None else None
+    # The draft vocabulary's lm_head rows in the lm_head's own form (int8 codes stay codes),
+    # as the engine drafts with them; lm_head.weight would dequantize the whole matrix.
+    sub = linear_rows(model.lm_head, draft_vocab) if draft_vocab is not None else None
     rep = TeacherReport(passed=[0] * k, tried=[0] * k)
     spec = model.mtp.spec
     t0 = time.perf_counter()
@@ -90,7 +93,7 @@ def teacher_eval(
             if sub is None:
                 draft = model.logits(post).argmax(-1)
             else:
-                draft = draft_vocab[(post @ sub.T).argmax(-1)]
+                draft = draft_vocab.to(post.device)[sub(post).argmax(-1)]
             ok = draft == greedy[:, s : s + n]
             rep.tried[s - 1] += int(alive.sum())
             rep.passed[s - 1] += int((alive & ok).sum())

@@ -228,7 +228,7 @@ def cached_loss(model, batch: dict[str, torch.Tensor], depth: int, vocab: torch.
     from .calibrate import chained_head_logits
 
     head = head if head is not None else model.mtp
-    dev = model.lm_head.weight.device
+    dev = model.model.embed_tokens.weight.device
     ids = batch["ids"].to(dev, torch.long)
     hidden = batch["hidden"].to(dev, torch.float32)
     w = model.lm_head.weight.detach().index_select(0, vocab.to(dev))
