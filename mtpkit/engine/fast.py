@@ -54,6 +54,7 @@ from torch import nn
 from ..models.attention import Attention
 from ..models.layers import MLP, PreNormDecoderLayer, Rotary
 from ..quant.kernels import int8_mm_available, kernel_choice
+from ..quant.kernels import source_digest as kernel_source_digest
 from ..quant.linear import QuantLinear, linear_rows, stack_outputs
 from .generate import Result, emit
 
@@ -391,9 +392,8 @@ def _source_digest() -> str:
     to any of them must not reuse a program built from the old code."""
     root = Path(__file__).resolve().parent.parent
     files = [Path(__file__).resolve(), root / "quant" / "linear.py",
-             *sorted((root / "quant" / "csrc").glob("*.cpp")),
              *sorted((root / "models").glob("*.py"))]
-    h = hashlib.sha256()
+    h = hashlib.sha256(kernel_source_digest().encode())
     for f in files:
         h.update(f.name.encode())
         h.update(f.read_bytes())

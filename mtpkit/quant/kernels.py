@@ -18,14 +18,15 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "attend_row.cpp")
+_SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "attend_row.cpp")  # compiled
+_HEADERS = (_CSRC / "simd.h",)  # included by them
 _state: dict = {}  # "ok": bool, "why": str, once per process
 
 
 def source_digest() -> str:
     """A digest of the kernel sources (compiled programs that call them key on it)."""
     h = hashlib.sha256()
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
     return h.hexdigest()[:16]
 

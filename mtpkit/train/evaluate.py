@@ -67,7 +67,10 @@ def teacher_eval(
     With ``draft_vocab`` the drafts come from that token subset, as when decoding."""
     # The draft vocabulary's lm_head rows in the lm_head's own form (int8 codes stay codes),
     # as the engine drafts with them; lm_head.weight would dequantize the whole matrix.
-    sub = linear_rows(model.lm_head, draft_vocab) if draft_vocab is not None else None
+    sub = vocab = None
+    if draft_vocab is not None:
+        vocab = draft_vocab.to(model.model.embed_tokens.weight.device)
+        sub = linear_rows(model.lm_head, vocab)
     rep = TeacherReport(passed=[0] * k, tried=[0] * k)
     spec = model.mtp.spec
     t0 = time.perf_counter()
@@ -93,7 +96,7 @@ def teacher_eval(
             if sub is None:
                 draft = model.logits(post).argmax(-1)
             else:
-                draft = draft_vocab.to(post.device)[sub(post).argmax(-1)]
+                draft = vocab[sub(post).argmax(-1)]
             ok = draft == greedy[:, s : s + n]
             rep.tried[s - 1] += int(alive.sum())
             rep.passed[s - 1] += int((alive & ok).sum())

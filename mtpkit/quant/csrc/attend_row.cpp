@@ -25,7 +25,11 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace {
+
+using mtpkit_simd::hsum;
 
 // exp for x <= 0 (softmax after subtracting the max): Cody-Waite reduction x = n ln2 + r,
 // the Cephes expf polynomial for e^r, then 2^n through the exponent bits. ~1 ulp.
@@ -45,13 +49,6 @@ inline __m256 exp_nonpos(__m256 x) {
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hsum(__m256 v) {
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-  return _mm_cvtss_f32(q);
 }
 
 // Scores of up to 4 query heads (a KV head's group shares each key load) against slots

@@ -33,7 +33,11 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace {
+
+using mtpkit_simd::hsum;
 
 // Codes are read once per step, straight from memory; the hardware prefetcher alone leaves
 // one thread at ~9 GB/s here, prefetching this far ahead at ~11.5 (streaming a 28 MB weight,
@@ -41,13 +45,6 @@ namespace {
 constexpr uintptr_t kAhead = 4096;
 inline void prefetch(const int8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kAhead), _MM_HINT_T0);
-}
-
-inline float hsum(__m256 v) {
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-  return _mm_cvtss_f32(q);
 }
 
 inline __m256 widen8(const int8_t* p) {
