@@ -452,3 +452,36 @@ def test_recalibrating_a_gguf_head_writes_gguf(tmp_path, capsys):
     assert _quiet_load(out, tokenizer=False).model.mtp is not None
     summary = json.loads((tmp_path / "recal.gguf.calibration.json").read_text())
     assert summary["calibration"]["steps_done"] == 2
+
+
+def _distill_script():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "scripts" / "chat_distill_data.py"
+    spec = importlib.util.spec_from_file_location("chat_distill_data", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_chat_distill_prompts_leave_the_benchmark_chat_prompts_unseen():
+    """The head's chat data must not train on the benchmark's chat topics: every built-in chat
+    prompt is named by the exclusion list, and no generated prompt mentions one."""
+    from mtpkit.bench.prompts import BUILTIN
+
+    mod = _distill_script()
+    for p in BUILTIN:
+        if p.chat:
+            assert any(x in p.text.lower() for x in mod.EXCLUDED), p.name
+    ps = mod.prompts(3000, 0)
+    assert ps == mod.prompts(3000, 0) and len(set(ps)) == 3000
+    assert not [p for p in ps if any(x in p.lower() for x in mod.EXCLUDED)]
+    assert ps != mod.prompts(3000, 1)
+
+
+def test_chat_distill_cut_answer_loses_the_templates_turn_end():
+    mod = _distill_script()
+    text = "<|im_start|>user\nHello.<|im_end|>\n<|im_start|>assistant\nHello. Hi there<|im_end|>\n"
+    # The answer's text also occurs in the prompt: the cut is after its last occurrence.
+    assert mod.cut_end(text, "Hello. Hi there") == text[: text.rindex("<|im_end|>")]
+    assert mod.cut_end(text, "Hello.") == text[: text.index("Hello. Hi") + len("Hello.")]
