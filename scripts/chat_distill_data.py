@@ -119,16 +119,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
 
-    import torch
+    out = Path(a.out)
+    if out.exists() and any(out.iterdir()):
+        # Shards are written line by line (a stopped run keeps what it made), so a second
+        # run into the same folder would mix or repeat conversations.
+        raise SystemExit(f"{out} is not empty: give a new --out folder")
 
     from mtpkit.engine.sampling import SamplingParams
     from mtpkit.engine.session import Session
 
-    torch.set_num_threads(torch.get_num_threads())
     s = Session.load(a.model, compile=a.compile)
-    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    files = [open(out / f"chat-{i:02d}.jsonl", "a", encoding="utf-8") for i in range(a.shards)]
+    files = [open(out / f"chat-{i:02d}.jsonl", "x", encoding="utf-8") for i in range(a.shards)]
     t0, tokens = time.time(), 0
     params = SamplingParams(max_tokens=a.max_tokens)
     for i, p in enumerate(prompts(a.prompts, a.seed)):
