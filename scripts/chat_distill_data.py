@@ -85,12 +85,24 @@ EXCLUDED = ("garbage collection", "pull request", "vitamin", "capital of france"
             "water cycle")
 
 
+def distinct_prompts() -> int:
+    """How many distinct prompts the templates and topics make, the excluded ones left out."""
+    every = {tpl.format(t=t, u=u) for tpl in TEMPLATES for t in TOPICS
+             for u in ([x for x in TOPICS if x != t] if "{u}" in tpl else [t])}
+    return sum(not any(x in p.lower() for x in EXCLUDED) for p in every)
+
+
 def prompts(n: int, seed: int) -> list[str]:
     """``n`` distinct templated prompts, seeded."""
+    limit = distinct_prompts()
+    if n > limit:
+        # Sampling until n distinct prompts exist would never end.
+        raise ValueError(f"--prompts {n}: the templates and topics make only {limit} distinct "
+                         "prompts")
     rng = random.Random(seed)
     out: list[str] = []
     seen: set[str] = set()
-    while len(out) < n and len(seen) < len(TEMPLATES) * len(TOPICS) ** 2:
+    while len(out) < n:
         t, u = rng.sample(TOPICS, 2)
         p = rng.choice(TEMPLATES).format(t=t, u=u)
         if p in seen or any(x in p.lower() for x in EXCLUDED):

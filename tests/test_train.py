@@ -477,6 +477,11 @@ def test_chat_distill_prompts_leave_the_benchmark_chat_prompts_unseen():
     assert ps == mod.prompts(3000, 0) and len(set(ps)) == 3000
     assert not [p for p in ps if any(x in p.lower() for x in mod.EXCLUDED)]
     assert ps != mod.prompts(3000, 1)
+    # Asking for more distinct prompts than exist is refused instead of sampling forever.
+    limit = mod.distinct_prompts()
+    assert 3000 < limit < len(mod.TEMPLATES) * len(mod.TOPICS) ** 2
+    with pytest.raises(ValueError, match="distinct"):
+        mod.prompts(limit + 1, 0)
 
 
 def test_chat_distill_cut_answer_loses_the_templates_turn_end():
