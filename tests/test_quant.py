@@ -691,3 +691,60 @@ def test_unsupported_activation_scheme_runs_weight_only_with_a_note(checkpoint_f
     layers = [m for m in q.model.modules() if isinstance(m, QuantLinear)]
     assert layers and not any(m.act_quant for m in layers)
     assert any("int8 static tensor symmetric is not implemented" in n for n in notes), notes
+
+
+def _hold_builder(folder):
+    """Start a process that holds the kernels' build folder as a builder does, then waits."""
+    import subprocess
+    import sys
+
+    code = ("import fcntl, sys, pathlib; f = pathlib.Path(sys.argv[1]); "
+            "h = open(f.parent / (f.name + '.builder'), 'a'); fcntl.flock(h, fcntl.LOCK_EX); "
+            "(f / 'lock').touch(); print('held', flush=True); sys.stdin.read(); "
+            "(f / 'lock').unlink()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_kernel_build_clears_the_lock_of_a_killed_builder(tmp_path):
+    """A builder killed mid-build leaves its lock file; the next build must not hang on it."""
+    pytest.importorskip("fcntl")
+    from mtpkit.quant.kernels import builder_lock
+
+    folder = tmp_path / "ext" / "k"
+    folder.mkdir(parents=True)
+    proc = _hold_builder(folder)
+    proc.kill()
+    proc.wait()
+    assert (folder / "lock").exists()
+    with builder_lock(folder):
+        assert not (folder / "lock").exists()
+
+
+def test_kernel_build_waits_for_a_live_builder(tmp_path):
+    """A live builder's lock is left alone: the next process waits until it finishes."""
+    pytest.importorskip("fcntl")
+    import threading
+
+    from mtpkit.quant.kernels import builder_lock
+
+    folder = tmp_path / "ext" / "k"
+    folder.mkdir(parents=True)
+    proc = _hold_builder(folder)
+    entered = threading.Event()
+
+    def second():
+        with builder_lock(folder):
+            entered.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    try:
+        assert not entered.wait(0.5)
+        assert (folder / "lock").exists()
+    finally:
+        proc.communicate("")  # the builder finishes and exits
+    t.join(10)
+    assert entered.is_set()

@@ -9,6 +9,7 @@ for the compiled path's row-by-row steps). Where it cannot (no compiler, no AVX2
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -46,19 +47,52 @@ def _build() -> None:
 
     from ..builtin import cache_dir
 
-    name = f"mtpkit_int8mm_{source_digest()}"
+    # Named apart from the folders of mtpkit versions before ``builder_lock``: a process of
+    # such a version builds without the flock, and a newer one would take its live lock for
+    # a stale one (two ninjas in one folder corrupt its deps log: every later load rebuilds).
+    name = f"mtpkit_kernels_{source_digest()}"
     folder = cache_dir() / "ext" / name
     folder.mkdir(parents=True, exist_ok=True)
-    # cpp_extension locks the folder while building, so parallel first uses are safe.
-    lib = load(name, [str(src) for src in _SOURCES], build_directory=str(folder),
-               is_python_module=False, extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-               extra_ldflags=["-fopenmp"], verbose=False)
+    with builder_lock(folder):
+        lib = load(name, [str(src) for src in _SOURCES], build_directory=str(folder),
+                   is_python_module=False, extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                   extra_ldflags=["-fopenmp"], verbose=False)
     if isinstance(lib, str):  # older torch returns the path instead of loading it
         torch.ops.load_library(lib)
 
     for op in ("mtpkit::int8_mm", "mtpkit::int8_a8_mm"):
         torch.library.register_fake(op)(_fake_mm)
     torch.library.register_fake("mtpkit::attend_row")(_fake_attend)
+
+
+@contextlib.contextmanager
+def builder_lock(folder: Path):
+    """Hold the build folder for this process; clear a lock file left by a killed builder."""
+    # cpp_extension marks a build with a bare ``lock`` file and waits, forever, for it to go.
+    # A builder killed mid-build never removes it, so every later process would hang. An
+    # flock on a file beside it is released by the kernel when its holder dies: whoever holds
+    # it is the only live builder, so a ``lock`` it finds was left by a dead one.
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: cpp_extension's own lock only
+        yield
+        return
+    with open(folder.parent / f"{folder.name}.builder", "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"note: waiting for another process that is building mtpkit's CPU kernels "
+                  f"into {folder}", file=sys.stderr)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                print(f"note: removing {stale}, left by a kernel build that was stopped "
+                      "midway", file=sys.stderr)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _fake_mm(x, w, s):
