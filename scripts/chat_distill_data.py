@@ -85,11 +85,16 @@ EXCLUDED = ("garbage collection", "pull request", "vitamin", "capital of france"
             "water cycle")
 
 
+def excluded(prompt: str) -> bool:
+    """Whether a prompt is about one of the benchmark's chat topics."""
+    return any(x in prompt.lower() for x in EXCLUDED)
+
+
 def distinct_prompts() -> int:
     """How many distinct prompts the templates and topics make, the excluded ones left out."""
     every = {tpl.format(t=t, u=u) for tpl in TEMPLATES for t in TOPICS
              for u in ([x for x in TOPICS if x != t] if "{u}" in tpl else [t])}
-    return sum(not any(x in p.lower() for x in EXCLUDED) for p in every)
+    return sum(not excluded(p) for p in every)
 
 
 def prompts(n: int, seed: int) -> list[str]:
@@ -105,7 +110,7 @@ def prompts(n: int, seed: int) -> list[str]:
     while len(out) < n:
         t, u = rng.sample(TOPICS, 2)
         p = rng.choice(TEMPLATES).format(t=t, u=u)
-        if p in seen or any(x in p.lower() for x in EXCLUDED):
+        if p in seen or excluded(p):
             continue
         seen.add(p)
         out.append(p)
