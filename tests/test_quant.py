@@ -96,38 +96,50 @@ def test_hand_int8_kernel_is_exact_and_row_independent(n, k):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (6, 1, 20),
                                                 (8, 8, 72), (16, 2, 128)])
 def test_row_attention_kernel_matches_sdpa(heads, kv_heads, dim):
-    """mtpkit::attend_row (one query row over a cache span, keys 0..pos) against float64
-    SDPA with the mask the fast path builds; spans narrowed from a larger buffer, positions
-    before, at and past the span's end, lengths off the 8-lane grid; and the same bits
-    whatever the thread count or the span's unread tail holds."""
+    """mtpkit::attend_rows (query rows over a cache span, row j sees keys 0..pos[j]) against
+    float64 SDPA with the mask the fast path builds; spans narrowed from a larger buffer,
+    positions before, at and past the span's end, lengths off the 8-lane grid; every row of a
+    multi-row call bit for bit the one-row call (a verified row is a decode step's row);
+    padding rows copy the last attended one; the same bits whatever the thread count or the
+    span's unread tail holds."""
     import torch.nn.functional as F
 
+    attend = torch.ops.mtpkit.attend_rows
     g = torch.Generator().manual_seed(7)
     kbuf = torch.randn(1, kv_heads, 300, dim, generator=g)
     vbuf = torch.randn(1, kv_heads, 300, dim, generator=g)
     group = heads // kv_heads
     for span in (1, 7, 9, 136, 300):
         keys, values = kbuf.narrow(2, 0, span)[0], vbuf.narrow(2, 0, span)[0]
-        for pos in {0, 5, span - 1, span + 4}:
-            q = torch.randn(heads, dim, generator=g) * 3
-            got = torch.ops.mtpkit.attend_row(q, keys, values, torch.tensor([pos]))
-            mask = (torch.arange(span) <= pos)[None].expand(group, span)
+        pos = torch.tensor(sorted({0, 5, span - 1, span + 4}))
+        # [H, T, D] transposed, as the fast path passes it: strided rows and heads.
+        q = (torch.randn(heads, len(pos), dim, generator=g) * 3).transpose(0, 1)
+        got = attend(q, keys, values, pos, len(pos))
+        for j, p in enumerate(pos.tolist()):
+            mask = (torch.arange(span) <= p)[None].expand(group, span)
             want = F.scaled_dot_product_attention(
-                q.view(1, kv_heads, group, dim).double(), keys[None].double(),
+                q[j].reshape(1, kv_heads, group, dim).double(), keys[None].double(),
                 values[None].double(), attn_mask=mask).view(heads, dim)
-            assert (got.double() - want).abs().max() <= 2e-5, (span, pos)
+            assert (got[j].double() - want).abs().max() <= 2e-5, (span, p)
+            assert torch.equal(attend(q[j : j + 1], keys, values, pos[j : j + 1], 1)[0], got[j])
+    padded = attend(q, keys, values, pos, 2)
+    assert torch.equal(padded[:2], got[:2])
+    assert all(torch.equal(padded[j], got[1]) for j in range(2, len(pos)))
     threads = torch.get_num_threads()
-    q = torch.randn(heads, dim, generator=g)
-    one = torch.ops.mtpkit.attend_row(q, keys, values, torch.tensor([200]))
+    q = torch.randn(3, heads, dim, generator=g)
+    pos = torch.tensor([198, 199, 200])
+    one = attend(q, keys, values, pos, 3)
     try:
         torch.set_num_threads(1)
-        assert torch.equal(torch.ops.mtpkit.attend_row(q, keys, values, torch.tensor([200])), one)
+        assert torch.equal(attend(q, keys, values, pos, 3), one)
     finally:
         torch.set_num_threads(threads)
-    vbuf[0, :, 201:] = 1e6  # past pos: never read
-    assert torch.equal(torch.ops.mtpkit.attend_row(q, keys, values, torch.tensor([200])), one)
+    vbuf[0, :, 201:] = 1e6  # past every pos: never read
+    assert torch.equal(attend(q, keys, values, pos, 3), one)
     with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.mtpkit.attend_row(q.double(), keys, values, torch.tensor([0]))
+        attend(q.double(), keys, values, pos, 3)
+    with pytest.raises(RuntimeError, match="rows"):
+        attend(q, keys, values, pos, 4)
 
 
 @pytest.mark.parametrize("act", [None, "int8-token"])

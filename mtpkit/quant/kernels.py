@@ -2,8 +2,8 @@
 
 ``int8_mm_available()`` builds the extension once per source version with the C++ compiler
 torch's inductor also needs (into ``<mtpkit cache>/ext``) and registers
-``torch.ops.mtpkit.int8_mm``, ``int8_a8_mm`` and ``attend_row`` (one query row's attention,
-for the compiled path's row-by-row steps). Where it cannot (no compiler, no AVX2, or
+``torch.ops.mtpkit.int8_mm``, ``int8_a8_mm`` and ``attend_rows`` (a step's query rows'
+attention, each row as its own one-row computation, for the compiled path's row-wise steps). Where it cannot (no compiler, no AVX2, or
 ``MTPKIT_INT8_KERNEL=library``) it says why once and callers use torch's own kernels.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "attend_row.cpp")  # compiled
+_SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "attend_rows.cpp")  # compiled
 _HEADERS = (_CSRC / "simd.h",)  # included by them
 _state: dict = {}  # "ok": bool, "why": str, once per process
 
@@ -62,7 +62,7 @@ def _build() -> None:
 
     for op in ("mtpkit::int8_mm", "mtpkit::int8_a8_mm"):
         torch.library.register_fake(op)(_fake_mm)
-    torch.library.register_fake("mtpkit::attend_row")(_fake_attend)
+    torch.library.register_fake("mtpkit::attend_rows")(_fake_attend)
 
 
 @contextlib.contextmanager
@@ -99,8 +99,8 @@ def _fake_mm(x, w, s):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-def _fake_attend(q, k, v, pos):
-    return q.new_empty(q.shape[0], q.shape[1])
+def _fake_attend(q, k, v, pos, rows):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2])
 
 
 def int8_mm_available() -> bool:

@@ -1,4 +1,4 @@
-// Small AVX2 helpers shared by mtpkit's CPU kernels (int8_mm.cpp, attend_row.cpp).
+// Small AVX2 helpers shared by mtpkit's CPU kernels (int8_mm.cpp, attend_rows.cpp).
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -1,19 +1,23 @@
-// mtpkit::attend_row(q, k, v, pos) -> out: attention of one query position.
-//   q float32 [H, D] (the query heads of one token; rows contiguous in D),
+// mtpkit::attend_rows(q, k, v, pos, rows) -> out: attention of a step's query rows.
+//   q float32 [T, H, D] (the query heads of T tokens; any row/head strides, D contiguous),
 //   k, v float32 [Hkv, S, D] (a cache span; any head/slot strides, D contiguous),
-//   pos int64 [1]: the token's position; it sees cache slots 0..min(pos, S-1).
-//   out[h] = sum_{j<=p} softmax_j(q[h] . k[h/g, j] / sqrt(D)) v[h/g, j],  g = H / Hkv,
+//   pos int64 [T]: the tokens' positions; row j sees cache slots 0..min(pos[j], S-1),
+//   rows: rows 0..rows-1 are attended; rows past them are padding and copy row rows-1.
+//   out[j, h] = sum_{i<=p_j} softmax_i(q[j,h] . k[h/g, i] / sqrt(D)) v[h/g, i],  g = H / Hkv,
 // the same as scaled_dot_product_attention with the mask "key slot <= pos" and query heads
-// grouped on their KV head as repeat_interleave does.
+// grouped on their KV head as repeat_interleave does. out is [T, H, D] contiguous, the
+// layout o_proj reads, so no transpose follows.
 //
 // Why by hand: torch's CPU SDPA takes 45-60 us for one query row of SmolLM2 (9 heads, 136
 // keys) on this machine's cores, for ~0.16 M multiply-adds: its general blocked kernel
 // allocates and transposes per call. Compiled quantized trunks attend one row at a time (so
-// that a verified row is the same computation as a one-token step), 30 such calls a token.
+// that a verified row is the same computation as a one-token step). One call a layer for
+// all of a step's rows, rather than one a row: a call's fixed cost (dispatch, the output,
+// a parallel region) was most of a row's time, and a k=3 verification made 120 of them.
 //
-// Exactness: a head's result depends only on its own q row, the slots it reads and D; the
-// arithmetic order is fixed (whatever the thread split, the head count, or the other rows of
-// a step), so every step that computes a row gets the same bits.
+// Exactness: a (row, head) result depends only on its own q row, the slots it reads and D;
+// the arithmetic order is fixed (whatever the thread split, the head count, the row count or
+// the other rows of a step), so every step that computes a row gets the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -122,38 +126,48 @@ void finish_head(float* s, const float* v, int64_t vs, int64_t P, int64_t D, flo
 }  // namespace
 #endif
 
-static at::Tensor attend_row(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& pos) {
-  TORCH_CHECK(q_.dim() == 2 && k.dim() == 3 && v.dim() == 3, "attend_row: q [H,D], k/v [Hkv,S,D]");
-  TORCH_CHECK(q_.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat && pos.scalar_type() == at::kLong,
-              "attend_row: float32 q/k/v, int64 pos");
-  const int64_t H = q_.size(0), D = q_.size(1), Hkv = k.size(0), S = k.size(1);
+static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& pos_, int64_t rows) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "attend_rows: q [T,H,D], k/v [Hkv,S,D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && pos_.scalar_type() == at::kLong,
+              "attend_rows: float32 q/k/v, int64 pos");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D && Hkv > 0 && H % Hkv == 0,
-              "attend_row: shapes differ");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "attend_row: k/v need contiguous rows");
-  const at::Tensor q = q_.stride(1) == 1 ? q_ : q_.contiguous();
-  at::Tensor out = at::empty({H, D}, q.options());
-  const int64_t P = std::min(pos.item<int64_t>() + 1, S);
-  TORCH_CHECK(P > 0, "attend_row: negative position");
+              "attend_rows: shapes differ");
+  TORCH_CHECK(pos_.dim() == 1 && pos_.size(0) == T, "attend_rows: pos [T]");
+  TORCH_CHECK(rows >= 1 && rows <= T, "attend_rows: 1 <= rows <= T");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "attend_rows: q/k/v need contiguous rows");
+  const at::Tensor pos = pos_.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  int64_t pmax = 0;
+  for (int64_t j = 0; j < rows; j++) {
+    TORCH_CHECK(pp[j] >= 0, "attend_rows: negative position");
+    pmax = std::max(pmax, std::min(pp[j] + 1, S));
+  }
+  at::Tensor out = at::empty({T, H, D}, q.options());
 #if defined(__AVX2__) && defined(__FMA__)
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t g = H / Hkv, qs = q.stride(0);
+  const int64_t g = H / Hkv, qt = q.stride(0), qs = q.stride(1);
   const float scale = 1.0f / std::sqrt(float(D));
-  // Threads take whole KV heads (their query group together); a short span stays on one
-  // thread, where a fork would cost more than the work.
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, g * P * D));
-  at::parallel_for(0, Hkv, grain, [&](int64_t h0, int64_t h1) {
+  // Threads take whole (row, KV head) items, a KV head's query group together; a short
+  // span stays on one thread, where a fork would cost more than the work.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, g * pmax * D));
+  at::parallel_for(0, rows * Hkv, grain, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<float> s;
-    s.resize(g * P);
-    for (int64_t kv = h0; kv < h1; kv++) {
+    s.resize(g * pmax);
+    for (int64_t item = i0; item < i1; item++) {
+      const int64_t j = item / Hkv, kv = item % Hkv;
+      const int64_t P = std::min(pp[j] + 1, S);
       const float* kk = kp + kv * k.stride(0);
       const float* vv = vp + kv * v.stride(0);
       for (int64_t a = 0; a < g; a += 4) {  // up to 4 query heads per pass over the keys
-        const float* qa = qp + (kv * g + a) * qs;
+        const float* qa = qp + j * qt + (kv * g + a) * qs;
         float* sa = s.data() + a * P;
         switch (std::min<int64_t>(4, g - a)) {
           case 4: scores<4>(qa, qs, kk, k.stride(1), P, D, scale, sa); break;
@@ -163,16 +177,18 @@ static at::Tensor attend_row(const at::Tensor& q_, const at::Tensor& k, const at
         }
       }
       for (int64_t a = 0; a < g; a++)
-        finish_head(s.data() + a * P, vv, v.stride(1), P, D, op + (kv * g + a) * D);
+        finish_head(s.data() + a * P, vv, v.stride(1), P, D, op + (j * H + kv * g + a) * D);
     }
   });
+  for (int64_t j = rows; j < T; j++)
+    std::copy(op + (rows - 1) * H * D, op + rows * H * D, op + j * H * D);
 #else
-  TORCH_CHECK(false, "attend_row was built without AVX2/FMA");
+  TORCH_CHECK(false, "attend_rows was built without AVX2/FMA");
 #endif
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
-  m.def("attend_row(Tensor q, Tensor k, Tensor v, Tensor pos) -> Tensor");
+  m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor pos, int rows) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("attend_row", &attend_row); }
+TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("attend_rows", &attend_rows); }
