@@ -3,8 +3,9 @@
 ``int8_mm_available()`` builds the extension once per source version with the C++ compiler
 torch's inductor also needs (into ``<mtpkit cache>/ext``) and registers
 ``torch.ops.mtpkit.int8_mm``, ``int8_a8_mm`` and ``attend_rows`` (a step's query rows'
-attention, each row as its own one-row computation, for the compiled path's row-wise steps). Where it cannot (no compiler, no AVX2, or
-``MTPKIT_INT8_KERNEL=library``) it says why once and callers use torch's own kernels.
+attention, each row as its own one-row computation, for the compiled path's row-wise
+steps). Where it cannot (no compiler, no AVX2, or ``MTPKIT_INT8_KERNEL=library``) it says
+why once and callers use torch's own kernels.
 """
 
 from __future__ import annotations
