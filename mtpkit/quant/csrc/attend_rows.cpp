@@ -55,50 +55,59 @@ inline __m256 exp_nonpos(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// Scores of up to 4 query heads (a KV head's group shares each key load) against slots
-// 0..P-1: s[a * P + j] = q[a] . k[j] * scale. Each head's sum runs in one fixed order.
-template <int G>
-void scores(const float* q, int64_t qs, const float* k, int64_t ks, int64_t P, int64_t D,
-            float scale, float* s) {
-  const int64_t Dv = D - D % 8;
-  for (int64_t j = 0; j < P; j++) {
-    const float* kj = k + j * ks;
-    __m256 a[G];
-    for (int h = 0; h < G; h++) a[h] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < Dv; d += 8) {
-      const __m256 kv = _mm256_loadu_ps(kj + d);
-      for (int h = 0; h < G; h++) a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * qs + d), kv, a[h]);
-    }
-    for (int h = 0; h < G; h++) {
-      float t = hsum(a[h]);
-      for (int64_t d = Dv; d < D; d++) t = std::fma(q[h * qs + d], kj[d], t);
-      s[h * P + j] = t * scale;
-    }
+// One query head against 8 keys from kj (key stride ks), their sums over d < Dv reduced
+// into one vector, lane j = key j. Every key's sum runs in one fixed order (its lanes over
+// d, then the same hadd pattern), whatever keys share the block: a score never depends on
+// its neighbours. Eight independent FMA chains keep the FMA units busy where one key's
+// chain of D/8 dependent FMAs (4 cycles each) left them idle, and one reduction serves
+// eight keys where an hsum per key cost about as much as its dot product.
+inline __m256 dot8(const float* q, const float* kj, int64_t ks, int64_t Dv) {
+  __m256 a[8];
+  for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < Dv; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + j * ks + d), a[j]);
+  }
+  // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]: two levels give
+  // [k0..k3 low-half sums | k0..k3 high-half sums] per four keys; the halves then add.
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// s[j] = q . kj[j] * scale for the first n keys of a block (dimensions past the last 8
+// added per key after the vector sum).
+inline void score_block(const float* q, const float* kj, int64_t ks, int64_t n, int64_t D,
+                        int64_t Dv, float scale, float* s) {
+  const __m256 r = dot8(q, kj, ks, Dv);
+  if (Dv == D && n == 8) {
+    _mm256_storeu_ps(s, _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+    return;
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, r);
+  for (int64_t j = 0; j < n; j++) {
+    float x = t[j];
+    for (int64_t d = Dv; d < D; d++) x = std::fma(q[d], kj[j * ks + d], x);
+    s[j] = x * scale;
   }
 }
 
-// out[d] = sum_i e[i] v[i, d] / sum for NB * 8 lanes from d; each lane sums in i order.
-template <int NB>
-inline void weigh(const float* e, const float* v, int64_t vs, int64_t P, int64_t d, float sum,
-                  float* out) {
-  __m256 a[NB];
-  for (int c = 0; c < NB; c++) a[c] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < P; i++) {
-    const __m256 w = _mm256_set1_ps(e[i]);
-    for (int c = 0; c < NB; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i * vs + d + 8 * c), a[c]);
-  }
-  const __m256 vs_ = _mm256_set1_ps(sum);
-  for (int c = 0; c < NB; c++) _mm256_storeu_ps(out + d + 8 * c, _mm256_div_ps(a[c], vs_));
-}
-
-// Softmax of one head's scores s[0..P) in place (as exp(s - max)), then its output row.
-void finish_head(float* s, const float* v, int64_t vs, int64_t P, int64_t D, float* out) {
-  float m = -INFINITY;
-  for (int64_t j = 0; j < P; j++) m = std::max(m, s[j]);
+// Softmax of one head's scores s[0..P) in place, as exp(s - max); returns their sum.
+float softmax_inplace(float* s, int64_t P) {
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= P; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float m = lanes[0];
+  for (int i = 1; i < 8; i++) m = std::max(m, lanes[i]);
+  for (; j < P; j++) m = std::max(m, s[j]);  // max is exact in any order
   const __m256 vm = _mm256_set1_ps(m);
   __m256 vsum = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= P; j += 8) {
+  for (j = 0; j + 8 <= P; j += 8) {
     const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
     _mm256_storeu_ps(s + j, e);
     vsum = _mm256_add_ps(vsum, e);
@@ -113,14 +122,55 @@ void finish_head(float* s, const float* v, int64_t vs, int64_t P, int64_t D, flo
       sum += t[i];
     }
   }
-  int64_t d = 0;
-  for (; d + 64 <= D; d += 64) weigh<8>(s, v, vs, P, d, sum, out);
-  for (; d + 8 <= D; d += 8) weigh<1>(s, v, vs, P, d, sum, out);
-  for (; d < D; d++) {
-    float a = 0.f;
-    for (int64_t i = 0; i < P; i++) a = std::fma(s[i], v[i * vs + d], a);
-    out[d] = a / sum;
+  return sum;
+}
+
+// The weights of up to 6 queries of one KV head (e[q][0..P[q]), sums sum[q]) over its
+// values, dims [d0, d1) with d1 - d0 <= 16: out[q][d] = sum_i e[q][i] v[i, d] / sum[q],
+// each lane summed in i order, whatever queries come with it. A value row is loaded once
+// for all Q queries (one load per query and value ran at L2's speed at 512 keys).
+template <int Q>
+void weigh(float* const* e, const int64_t* P, const float* v, int64_t vs, int64_t d0,
+           int64_t d1, const float* sum, float* const* out) {
+  int64_t pmax = 0;
+  for (int q = 0; q < Q; q++) pmax = std::max(pmax, P[q]);
+  int64_t d = d0;
+  if (d + 16 <= d1) {
+    __m256 a[Q][2];
+    for (int q = 0; q < Q; q++) a[q][0] = a[q][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < pmax; i++) {
+      const __m256 v0 = _mm256_loadu_ps(v + i * vs + d), v1 = _mm256_loadu_ps(v + i * vs + d + 8);
+      for (int q = 0; q < Q; q++)
+        if (i < P[q]) {
+          const __m256 w = _mm256_set1_ps(e[q][i]);
+          a[q][0] = _mm256_fmadd_ps(w, v0, a[q][0]);
+          a[q][1] = _mm256_fmadd_ps(w, v1, a[q][1]);
+        }
+    }
+    for (int q = 0; q < Q; q++) {
+      const __m256 sv = _mm256_set1_ps(sum[q]);
+      _mm256_storeu_ps(out[q] + d, _mm256_div_ps(a[q][0], sv));
+      _mm256_storeu_ps(out[q] + d + 8, _mm256_div_ps(a[q][1], sv));
+    }
+    d += 16;
   }
+  if (d + 8 <= d1) {
+    __m256 a[Q];
+    for (int q = 0; q < Q; q++) a[q] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < pmax; i++) {
+      const __m256 v0 = _mm256_loadu_ps(v + i * vs + d);
+      for (int q = 0; q < Q; q++)
+        if (i < P[q]) a[q] = _mm256_fmadd_ps(_mm256_set1_ps(e[q][i]), v0, a[q]);
+    }
+    for (int q = 0; q < Q; q++) _mm256_storeu_ps(out[q] + d, _mm256_div_ps(a[q], _mm256_set1_ps(sum[q])));
+    d += 8;
+  }
+  for (; d < d1; d++)
+    for (int q = 0; q < Q; q++) {
+      float a = 0.f;
+      for (int64_t i = 0; i < P[q]; i++) a = std::fma(e[q][i], v[i * vs + d], a);
+      out[q][d] = a / sum[q];
+    }
 }
 
 }  // namespace
@@ -155,29 +205,76 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at
   float* op = out.data_ptr<float>();
   const int64_t g = H / Hkv, qt = q.stride(0), qs = q.stride(1);
   const float scale = 1.0f / std::sqrt(float(D));
-  // Threads take whole (row, KV head) items, a KV head's query group together; a short
+  const int64_t Dv = D - D % 8, nb = (pmax + 7) / 8;
+  // Scores of all attended rows, [rows][H][pmax], then each (row, head)'s softmax and output.
+  thread_local std::vector<float> sbuf;
+  sbuf.resize(rows * H * pmax);
+  float* sp = sbuf.data();
+  // Pass 1 over (KV head, 8-key block) items: a block's keys come from memory once and
+  // from L1 for every row's query heads of that KV head (at 512 keys a pass per query head
+  // ran at L2's speed). Keys past a row's position but inside the buffer are read with the
+  // block and their lanes dropped (lanes never mix); only a block past the buffer's end is
+  // copied, zero-filled, into ``pad``. Threads split whatever work there is, so a short
   // span stays on one thread, where a fork would cost more than the work.
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, g * pmax * D));
-  at::parallel_for(0, rows * Hkv, grain, [&](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> s;
-    s.resize(g * pmax);
+  const int64_t work1 = rows * g * 8 * D;
+  at::parallel_for(0, Hkv * nb, std::max<int64_t>(1, 65536 / work1), [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> pad;
     for (int64_t item = i0; item < i1; item++) {
-      const int64_t j = item / Hkv, kv = item % Hkv;
-      const int64_t P = std::min(pp[j] + 1, S);
-      const float* kk = kp + kv * k.stride(0);
-      const float* vv = vp + kv * v.stride(0);
-      for (int64_t a = 0; a < g; a += 4) {  // up to 4 query heads per pass over the keys
-        const float* qa = qp + j * qt + (kv * g + a) * qs;
-        float* sa = s.data() + a * P;
-        switch (std::min<int64_t>(4, g - a)) {
-          case 4: scores<4>(qa, qs, kk, k.stride(1), P, D, scale, sa); break;
-          case 3: scores<3>(qa, qs, kk, k.stride(1), P, D, scale, sa); break;
-          case 2: scores<2>(qa, qs, kk, k.stride(1), P, D, scale, sa); break;
-          default: scores<1>(qa, qs, kk, k.stride(1), P, D, scale, sa);
-        }
+      const int64_t kv = item / nb, j0 = 8 * (item % nb);
+      const float* kj = kp + kv * k.stride(0) + j0 * k.stride(1);
+      int64_t ks = k.stride(1);
+      const int64_t avail = std::min<int64_t>(8, S - j0);
+      if (avail < 8) {
+        pad.assign(8 * D, 0.0f);
+        for (int64_t j = 0; j < avail; j++) std::copy(kj + j * ks, kj + j * ks + D, pad.data() + j * D);
+        kj = pad.data();
+        ks = D;
       }
-      for (int64_t a = 0; a < g; a++)
-        finish_head(s.data() + a * P, vv, v.stride(1), P, D, op + (j * H + kv * g + a) * D);
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t P = std::min(pp[r] + 1, S);
+        if (j0 >= P) continue;
+        for (int64_t h = kv * g; h < (kv + 1) * g; h++)
+          score_block(qp + r * qt + h * qs, kj, ks, std::min<int64_t>(8, P - j0), D, Dv, scale,
+                      sp + (r * H + h) * pmax + j0);
+      }
+    }
+  });
+  // Pass 2: each (row, head)'s softmax. Pass 3 over (KV head, group of 6 of its
+  // queries, 16 dims) items: the weighted sums of the values.
+  thread_local std::vector<float> sums;
+  sums.resize(rows * H);
+  float* sums_p = sums.data();
+  at::parallel_for(0, rows * H, std::max<int64_t>(1, 65536 / (pmax * 8)), [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; item++)
+      sums_p[item] = softmax_inplace(sp + item * pmax, std::min(pp[item / H] + 1, S));
+  });
+  const int64_t nq = rows * g, ng = (nq + 5) / 6, nd = (D + 15) / 16;
+  at::parallel_for(0, Hkv * ng * nd, std::max<int64_t>(1, 65536 / (pmax * 16 * std::min<int64_t>(nq, 6))),
+                   [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; item++) {
+      const int64_t kv = item / (ng * nd), grp = item / nd % ng, dc = item % nd;
+      float* e[6];
+      float* o[6];
+      int64_t P[6];
+      float sm[6];
+      int Q = 0;
+      for (int64_t qi = 6 * grp; qi < std::min(nq, 6 * grp + 6); qi++, Q++) {
+        const int64_t r = qi / g, idx = r * H + kv * g + qi % g;
+        e[Q] = sp + idx * pmax;
+        o[Q] = op + idx * D;
+        P[Q] = std::min(pp[r] + 1, S);
+        sm[Q] = sums_p[idx];
+      }
+      const float* vv = vp + kv * v.stride(0);
+      const int64_t d0 = 16 * dc, d1 = std::min(D, d0 + 16), vs = v.stride(1);
+      switch (Q) {
+        case 6: weigh<6>(e, P, vv, vs, d0, d1, sm, o); break;
+        case 5: weigh<5>(e, P, vv, vs, d0, d1, sm, o); break;
+        case 4: weigh<4>(e, P, vv, vs, d0, d1, sm, o); break;
+        case 3: weigh<3>(e, P, vv, vs, d0, d1, sm, o); break;
+        case 2: weigh<2>(e, P, vv, vs, d0, d1, sm, o); break;
+        default: weigh<1>(e, P, vv, vs, d0, d1, sm, o);
+      }
     }
   });
   for (int64_t j = rows; j < T; j++)
