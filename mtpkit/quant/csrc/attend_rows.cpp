@@ -11,9 +11,10 @@
 // Why by hand: torch's CPU SDPA takes 45-60 us for one query row of SmolLM2 (9 heads, 136
 // keys) on this machine's cores, for ~0.16 M multiply-adds: its general blocked kernel
 // allocates and transposes per call. Compiled quantized trunks attend one row at a time (so
-// that a verified row is the same computation as a one-token step). One call a layer for
-// all of a step's rows, rather than one a row: a call's fixed cost (dispatch, the output,
-// a parallel region) was most of a row's time, and a k=3 verification made 120 of them.
+// that a verified row is the same computation as a one-token step). One call a layer takes
+// all of a step's rows, in three passes (scores in 8-key blocks, softmaxes, weighted
+// values), so that every row's query heads of a KV head share each key and value row
+// loaded; a call per row and head re-read them from L2 and ran at its speed at long spans.
 //
 // Exactness: a (row, head) result depends only on its own q row, the slots it reads and D;
 // the arithmetic order is fixed (whatever the thread split, the head count, the row count or
