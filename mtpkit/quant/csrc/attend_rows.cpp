@@ -126,10 +126,33 @@ float softmax_inplace(float* s, int64_t P) {
   return sum;
 }
 
-// The weights of up to 6 queries of one KV head (e[q][0..P[q]), sums sum[q]) over its
-// values, dims [d0, d1) with d1 - d0 <= 16: out[q][d] = sum_i e[q][i] v[i, d] / sum[q],
-// each lane summed in i order, whatever queries come with it. A value row is loaded once
-// for all Q queries (one load per query and value ran at L2's speed at 512 keys).
+// NB * 8 lanes from d of the weighted values of Q queries: out[q][d..] = sum_i e[q][i]
+// v[i, d..] / sum[q], each lane summed in i order, whatever queries come with it. A value
+// row is loaded once for all Q queries (one load per query and value ran at L2's speed at
+// 512 keys).
+template <int Q, int NB>
+inline void weigh_lanes(float* const* e, const int64_t* P, int64_t pmax, const float* v,
+                        int64_t vs, int64_t d, const float* sum, float* const* out) {
+  __m256 a[Q][NB];
+  for (int q = 0; q < Q; q++)
+    for (int c = 0; c < NB; c++) a[q][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < pmax; i++) {
+    __m256 vv[NB];
+    for (int c = 0; c < NB; c++) vv[c] = _mm256_loadu_ps(v + i * vs + d + 8 * c);
+    for (int q = 0; q < Q; q++)
+      if (i < P[q]) {
+        const __m256 w = _mm256_set1_ps(e[q][i]);
+        for (int c = 0; c < NB; c++) a[q][c] = _mm256_fmadd_ps(w, vv[c], a[q][c]);
+      }
+  }
+  for (int q = 0; q < Q; q++) {
+    const __m256 sv = _mm256_set1_ps(sum[q]);
+    for (int c = 0; c < NB; c++) _mm256_storeu_ps(out[q] + d + 8 * c, _mm256_div_ps(a[q][c], sv));
+  }
+}
+
+// The weighted values of up to 6 queries of one KV head (e[q][0..P[q]), sums sum[q]) over
+// dims [d0, d1), d1 - d0 <= 16: 16 lanes, 8 lanes, then one dim at a time.
 template <int Q>
 void weigh(float* const* e, const int64_t* P, const float* v, int64_t vs, int64_t d0,
            int64_t d1, const float* sum, float* const* out) {
@@ -137,33 +160,11 @@ void weigh(float* const* e, const int64_t* P, const float* v, int64_t vs, int64_
   for (int q = 0; q < Q; q++) pmax = std::max(pmax, P[q]);
   int64_t d = d0;
   if (d + 16 <= d1) {
-    __m256 a[Q][2];
-    for (int q = 0; q < Q; q++) a[q][0] = a[q][1] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < pmax; i++) {
-      const __m256 v0 = _mm256_loadu_ps(v + i * vs + d), v1 = _mm256_loadu_ps(v + i * vs + d + 8);
-      for (int q = 0; q < Q; q++)
-        if (i < P[q]) {
-          const __m256 w = _mm256_set1_ps(e[q][i]);
-          a[q][0] = _mm256_fmadd_ps(w, v0, a[q][0]);
-          a[q][1] = _mm256_fmadd_ps(w, v1, a[q][1]);
-        }
-    }
-    for (int q = 0; q < Q; q++) {
-      const __m256 sv = _mm256_set1_ps(sum[q]);
-      _mm256_storeu_ps(out[q] + d, _mm256_div_ps(a[q][0], sv));
-      _mm256_storeu_ps(out[q] + d + 8, _mm256_div_ps(a[q][1], sv));
-    }
+    weigh_lanes<Q, 2>(e, P, pmax, v, vs, d, sum, out);
     d += 16;
   }
   if (d + 8 <= d1) {
-    __m256 a[Q];
-    for (int q = 0; q < Q; q++) a[q] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < pmax; i++) {
-      const __m256 v0 = _mm256_loadu_ps(v + i * vs + d);
-      for (int q = 0; q < Q; q++)
-        if (i < P[q]) a[q] = _mm256_fmadd_ps(_mm256_set1_ps(e[q][i]), v0, a[q]);
-    }
-    for (int q = 0; q < Q; q++) _mm256_storeu_ps(out[q] + d, _mm256_div_ps(a[q], _mm256_set1_ps(sum[q])));
+    weigh_lanes<Q, 1>(e, P, pmax, v, vs, d, sum, out);
     d += 8;
   }
   for (; d < d1; d++)
@@ -193,10 +194,13 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at
               "attend_rows: q/k/v need contiguous rows");
   const at::Tensor pos = pos_.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
+  // span[j]: the cache slots row j reads, 0..span[j]-1.
+  std::vector<int64_t> span(rows);
   int64_t pmax = 0;
   for (int64_t j = 0; j < rows; j++) {
     TORCH_CHECK(pp[j] >= 0, "attend_rows: negative position");
-    pmax = std::max(pmax, std::min(pp[j] + 1, S));
+    span[j] = std::min(pp[j] + 1, S);
+    pmax = std::max(pmax, span[j]);
   }
   at::Tensor out = at::empty({T, H, D}, q.options());
 #if defined(__AVX2__) && defined(__FMA__)
@@ -232,7 +236,7 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at
         ks = D;
       }
       for (int64_t r = 0; r < rows; r++) {
-        const int64_t P = std::min(pp[r] + 1, S);
+        const int64_t P = span[r];
         if (j0 >= P) continue;
         for (int64_t h = kv * g; h < (kv + 1) * g; h++)
           score_block(qp + r * qt + h * qs, kj, ks, std::min<int64_t>(8, P - j0), D, Dv, scale,
@@ -247,7 +251,7 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at
   float* sums_p = sums.data();
   at::parallel_for(0, rows * H, std::max<int64_t>(1, 65536 / (pmax * 8)), [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; item++)
-      sums_p[item] = softmax_inplace(sp + item * pmax, std::min(pp[item / H] + 1, S));
+      sums_p[item] = softmax_inplace(sp + item * pmax, span[item / H]);
   });
   const int64_t nq = rows * g, ng = (nq + 5) / 6, nd = (D + 15) / 16;
   at::parallel_for(0, Hkv * ng * nd, std::max<int64_t>(1, 65536 / (pmax * 16 * std::min<int64_t>(nq, 6))),
@@ -263,7 +267,7 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at
         const int64_t r = qi / g, idx = r * H + kv * g + qi % g;
         e[Q] = sp + idx * pmax;
         o[Q] = op + idx * D;
-        P[Q] = std::min(pp[r] + 1, S);
+        P[Q] = span[r];
         sm[Q] = sums_p[idx];
       }
       const float* vv = vp + kv * v.stride(0);
