@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -67,20 +68,37 @@ def test_generate_compiled_path_matches_eager(model_dir, capsys):
 
 
 def test_bench_steps_table(model_dir, capsys):
-    """`mtpkit bench steps` times every program and relates it to the decode step."""
+    """`mtpkit bench steps` times every program in turns and relates it to the decode step
+    (and the decode step to the bandwidth) within each turn."""
     code, out, _ = _run(capsys, "bench", "steps", "--model", str(model_dir), "--backends",
-                        "eager", "--k", "2", "--context", "20", "--repeats", "3", "--json")
+                        "eager", "--k", "2", "--context", "20", "--repeats", "3", "--turns",
+                        "3", "--json")
     assert code == 0
     rep = json.loads(out)
     (row,) = rep["rows"]
-    assert row["backend"] == "eager" and rep["k"] == 2
-    for key in ("decode_ms", "verify_ms", "draft_ms", "round_ms"):
-        assert row[key] > 0
-    assert row["verify_over_decode"] == pytest.approx(row["verify_ms"] / row["decode_ms"])
+    assert row["backend"] == "eager" and rep["k"] == 2 and rep["turns"] == 3
+    assert len(row["turns"]) == 3
+    for key in ("decode", "verify", "draft", "round"):
+        per_turn = [t[key] for t in row["turns"]]
+        assert min(per_turn) > 0 and row[f"{key}_ms"] == pytest.approx(statistics.median(per_turn))
+    for key in ("verify", "draft", "round"):
+        ratios = sorted(t[key] / t["decode"] for t in row["turns"])
+        got = row[f"{key}_over_decode"]
+        assert (got["min"], got["median"], got["max"]) == pytest.approx(
+            (ratios[0], ratios[1], ratios[2]))
+    trunk = rep["trunk_bytes"]
+    bounds = sorted(t["decode"] / (1000 * trunk / (t["bandwidth_gbs"] * 1e9))
+                    for t in row["turns"])
+    assert row["decode_over_bound"]["median"] == pytest.approx(bounds[1])
     assert rep["decode_bound_ms"] > 0 and rep["bandwidth_gbs"] > 0
+    code, out, _ = _run(capsys, "bench", "steps", "--model", str(model_dir), "--backends",
+                        "eager", "--k", "1", "--context", "8", "--repeats", "1", "--turns", "2")
+    assert code == 0 and "medians over 2 turns of 1 calls" in out and "eager: v/d " in out
     code, _, err = _run(capsys, "bench", "steps", "--model", str(model_dir), "--backends",
                         "fast")
     assert code == 2 and "--backends 'fast'" in err
+    code, _, err = _run(capsys, "bench", "steps", "--model", str(model_dir), "--turns", "0")
+    assert code == 2 and "--turns" in err
 
 
 def test_stop_string_ends_output(model_dir, capsys):

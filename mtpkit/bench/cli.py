@@ -49,14 +49,20 @@ def add_parser(sub) -> None:
                          description="Median milliseconds of one decode step, one "
                                      "verification of k+1 tokens, one MTP draft step and one "
                                      "speculative round, per backend, with the bandwidth "
-                                     "bound of a decode step.")
+                                     "bound of a decode step. The programs are timed in "
+                                     "turns, and each ratio is the median of its per-turn "
+                                     "ratios (their range is printed below the table).")
     st.add_argument("--model", help="checkpoint folder or .gguf (default: the built-in model)")
     st.add_argument("--head", help="MTP head folder to lay over the model")
     st.add_argument("--k", type=int, default=3, help="draft length (default 3)")
     st.add_argument("--backends", default="eager,aoti",
                     help="comma-separated: eager, aoti, inductor (default eager,aoti)")
     st.add_argument("--context", type=int, default=128, help="cache positions filled (128)")
-    st.add_argument("--repeats", type=int, default=30, help="timed calls per step (30)")
+    st.add_argument("--repeats", type=int, default=20,
+                    help="timed calls per program in each turn (20)")
+    st.add_argument("--turns", type=int, default=5,
+                    help="turns over all programs, each with its own bandwidth measurement; "
+                         "ratios are taken within a turn (5)")
     st.add_argument("--full-draft-vocab", action="store_true",
                     help="draft over the whole vocabulary, not the head's draft vocabulary")
     from ..cli import draft_vocab_size_arg
@@ -239,12 +245,13 @@ def cmd_steps(a) -> int:
     _positive(a.k, "--k")
     _positive(a.repeats, "--repeats")
     _positive(a.context, "--context")
+    _positive(a.turns, "--turns")
     session = Session.load(a.model, head=a.head, full_draft_vocab=a.full_draft_vocab,
                            draft_vocab_size=a.draft_vocab_size)
     reason = unsupported_reason(session.engine.model)
     if reason is not None:
         raise ValueError(f"{session.name}: the fast path cannot run this model: {reason}")
-    result = steps_report(session.engine, backends, a.k, a.context, a.repeats)
+    result = steps_report(session.engine, backends, a.k, a.context, a.repeats, a.turns)
     result["model"] = session.name
     result["threads"] = torch_threads()
     if a.json:
@@ -258,12 +265,21 @@ def cmd_steps(a) -> int:
     head = f"{'backend':<9}{'decode':>9}{'verify':>9}{'draft':>9}{'round':>9}" \
            f"{'v/d':>7}{'dr/d':>7}{'r/d':>7}{'d/bound':>9}"
     print(head + "   (ms; ratios to decode)")
+    nan = {"median": float("nan")}
     for r in result["rows"]:
         print(f"{r['backend']:<9}{r['decode_ms']:>9.2f}{r['verify_ms']:>9.2f}"
               f"{r.get('draft_ms', float('nan')):>9.2f}{r.get('round_ms', float('nan')):>9.2f}"
-              f"{r['verify_over_decode']:>7.2f}{r.get('draft_over_decode', float('nan')):>7.2f}"
-              f"{r.get('round_over_decode', float('nan')):>7.2f}"
-              f"{r['decode_ms'] / result['decode_bound_ms']:>9.2f}")
+              f"{r['verify_over_decode']['median']:>7.2f}"
+              f"{r.get('draft_over_decode', nan)['median']:>7.2f}"
+              f"{r.get('round_over_decode', nan)['median']:>7.2f}"
+              f"{r['decode_over_bound']['median']:>9.2f}")
+    print(f"medians over {result['turns']} turns of {result['repeats']} calls a program; "
+          "per-turn ranges:")
+    for r in result["rows"]:
+        ranges = [f"{label} {r[key]['min']:.2f}-{r[key]['max']:.2f}"
+                  for label, key in (("v/d", "verify_over_decode"), ("r/d", "round_over_decode"),
+                                     ("d/bound", "decode_over_bound")) if key in r]
+        print(f"  {r['backend']}: " + ", ".join(ranges))
     return 0
 
 

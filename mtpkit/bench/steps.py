@@ -15,8 +15,7 @@ from .common import measure_bandwidth, weight_bytes
 
 
 def _time(fn, repeats: int) -> float:
-    """Median milliseconds of fn() over ``repeats`` calls after two warm-up calls."""
-    fn()
+    """Median milliseconds of fn() over ``repeats`` calls after one warm-up call."""
     fn()
     out = []
     for _ in range(repeats):
@@ -26,14 +25,25 @@ def _time(fn, repeats: int) -> float:
     return 1000 * statistics.median(out)
 
 
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 @torch.inference_mode()
-def step_costs(engine, backend: str, k: int, context: int = 128, repeats: int = 30,
-               max_len: int = 2048) -> dict:
-    """Milliseconds per program for one backend, at a cache filled to ``context`` positions."""
+def step_costs(engine, backend: str, k: int, context: int = 128, repeats: int = 20,
+               max_len: int = 2048, turns: int = 5, bandwidth=None) -> dict:
+    """Milliseconds per program for one backend, at a cache filled to ``context`` positions.
+
+    The programs are timed in ``turns`` turns, each timing every program ``repeats`` times
+    (and ``bandwidth()``, GB/s, when given): this machine's speed drifts by a quarter within
+    minutes, so a ratio of two programs timed in separate blocks measured the drift as much
+    as the programs (k=3 verify/decode 1.19-1.84 with unchanged code). A ratio is taken
+    within each turn, and the row reports the median over turns and its range."""
     from ..engine.fast import FastDecoder
 
     model = engine.model
     vocab = engine.drafter.vocab if engine.drafter is not None else None
+    t0 = time.perf_counter()
     dec = FastDecoder(model, vocab, max_len=max_len, backend=backend)
     dev = dec.device
     prompt = list(range(10, 10 + context))
@@ -41,36 +51,46 @@ def step_costs(engine, backend: str, k: int, context: int = 128, repeats: int = 
     at = torch.tensor([context], device=dev)
     span = dec.span(context + 2 * k + 2)
     tok = torch.tensor([[11]], device=dev)
-    row = {"backend": backend}
-    t0 = time.perf_counter()
-    decode = dec.program("decode")
-    row["decode_ms"] = _time(lambda: decode(tok, at, dec.kc, dec.vc, span), repeats)
-    verify = dec.program("verify", k + 1)
     toks = torch.full((1, k + 1), 11, device=dev)
-    row["verify_ms"] = _time(lambda: verify(toks, at, dec.kc, dec.vc, span), repeats)
+    # Every program is built (or loaded) before any is timed.
+    decode, verify = dec.program("decode"), dec.program("verify", k + 1)
+    calls = {"decode": lambda: decode(tok, at, dec.kc, dec.vc, span),
+             "verify": lambda: verify(toks, at, dec.kc, dec.vc, span)}
     if dec.has_mtp:
-        draft = dec.program("draft_step")
+        draft, rnd = dec.program("draft_step"), dec.program("round", k + 1, k)
         state = torch.zeros(1, 1, model.config.hidden_size, device=dev, dtype=dec.kc[0].dtype)
-        row["draft_ms"] = _time(lambda: draft(tok, state, at, dec.hk, dec.hv, span), repeats)
-        rnd = dec.program("round", k + 1, k)
-        row["round_ms"] = _time(
-            lambda: rnd(toks, at, dec.kc, dec.vc, dec.hk, dec.hv, span), repeats)
-    row["build_s"] = time.perf_counter() - t0
+        calls["draft"] = lambda: draft(tok, state, at, dec.hk, dec.hv, span)
+        calls["round"] = lambda: rnd(toks, at, dec.kc, dec.vc, dec.hk, dec.hv, span)
+    build_s = time.perf_counter() - t0
+    per_turn = []
+    for _ in range(turns):
+        turn = {name: _time(fn, repeats) for name, fn in calls.items()}
+        if bandwidth is not None:
+            turn["bandwidth_gbs"] = bandwidth()
+        per_turn.append(turn)
+    row = {"backend": backend, "build_s": build_s, "turns": per_turn}
+    for name in calls:
+        row[f"{name}_ms"] = statistics.median(t[name] for t in per_turn)
+        if name != "decode":
+            row[f"{name}_over_decode"] = _spread([t[name] / t["decode"] for t in per_turn])
     return row
 
 
-def steps_report(engine, backends: list[str], k: int, context: int, repeats: int) -> dict:
-    """Rows per backend, ratios to that backend's decode step, and the bandwidth bound."""
-    rows = [step_costs(engine, b, k, context, repeats) for b in backends]
-    for r in rows:
-        r["verify_over_decode"] = r["verify_ms"] / r["decode_ms"]
-        if "draft_ms" in r:
-            r["draft_over_decode"] = r["draft_ms"] / r["decode_ms"]
-            r["round_over_decode"] = r["round_ms"] / r["decode_ms"]
-    gbs = measure_bandwidth()
+def steps_report(engine, backends: list[str], k: int, context: int, repeats: int,
+                 turns: int = 5, bandwidth_mb: int = 256) -> dict:
+    """Rows per backend, ratios to that backend's decode step, and the bandwidth bound
+    (each decode step against the bandwidth measured in its own turn)."""
     wb = weight_bytes(engine.model)
-    bound_ms = 1000 * wb["trunk"] / (gbs * 1e9)
+    bw = lambda: measure_bandwidth(bandwidth_mb, repeats=3)  # noqa: E731
+    rows = [step_costs(engine, b, k, context, repeats, turns=turns, bandwidth=bw)
+            for b in backends]
+    for r in rows:
+        r["decode_over_bound"] = _spread(
+            [t["decode"] / (1000 * wb["trunk"] / (t["bandwidth_gbs"] * 1e9))
+             for t in r["turns"]])
+    gbs = statistics.median(t["bandwidth_gbs"] for r in rows for t in r["turns"])
     vocab = engine.drafter.vocab if engine.drafter is not None else None
-    return {"k": k, "context": context, "bandwidth_gbs": gbs, "trunk_bytes": wb["trunk"],
-            "decode_bound_ms": bound_ms, "rows": rows,
+    return {"k": k, "context": context, "turns": turns, "repeats": repeats,
+            "bandwidth_gbs": gbs, "trunk_bytes": wb["trunk"],
+            "decode_bound_ms": 1000 * wb["trunk"] / (gbs * 1e9), "rows": rows,
             "draft_vocab_rows": None if vocab is None else int(len(vocab))}
