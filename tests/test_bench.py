@@ -367,6 +367,9 @@ def test_compare_with_transformers(model_dir, tmp_path, capsys, monkeypatch):
     assert ag["earliest_divergence"] is None or ag["earliest_divergence"] >= 4, ag
     toks = res["tokens"]
     assert toks["transformers fp32"][0][:4] == toks["mtpkit fp32 (no MTP)"][0][:4]
+    # mtpkit's two runs took turns prompt by prompt, the order rotated per prompt.
+    b, m = "mtpkit fp32 (no MTP)", "mtpkit fp32 MTP k=2"
+    assert res["in_turns"] == [b, m, m, b, b, m]
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "compare.csv").exists()
     if not llama_cpp_available():
@@ -376,6 +379,39 @@ def test_compare_with_transformers(model_dir, tmp_path, capsys, monkeypatch):
         # The tiny model's character tokenizer cannot go into a GGUF: a clear note, no row.
         assert not any(e.startswith("llama.cpp Q8_0") for e in rows)
         assert any("only byte-level BPE tokenizers can be written" in n for n in res["notes"])
+
+
+def test_interleave_takes_turns_and_isolates_failures():
+    """Engines run prompt by prompt in a rotating order; warm-up calls are not measured; a
+    peer that fails midway becomes a skipped row, mtpkit failing is an error."""
+    from mtpkit.bench.compare import EngineRun, Runner, interleave
+
+    calls = []
+
+    def engine(name, fail_at=None):
+        def gen(ids, n, warm=False):
+            calls.append((name, ids[0], warm))
+            if ids[0] == fail_at:
+                raise RuntimeError(f"{name} broke\nsecond line")
+            return [ids[0]] * n, 0.01, [1.0 + i for i in range(n)]
+        return gen
+
+    done = []
+    a = Runner(EngineRun("a"), engine("a"), catch=False, done=lambda: done.append("a"))
+    b = Runner(EngineRun("b"), engine("b", fail_at=12))
+    c = Runner(EngineRun("c"), engine("c"))
+    skipped = Runner(EngineRun("s", skipped="not installed"))
+    prompts = [[10], [11], [12], [13]]
+    schedule = interleave([a, b, skipped, c], prompts, max_tokens=3)
+    assert calls[:3] == [("a", 10, True), ("b", 10, True), ("c", 10, True)]  # warm-ups
+    assert schedule == ["a", "b", "c", "b", "c", "a", "c", "a", "a", "c"]
+    assert a.run.tokens == [[10] * 3, [11] * 3, [12] * 3, [13] * 3] and done == ["a"]
+    assert c.run.decode_tokens == 4 * 2 and c.run.decode_s == pytest.approx(4 * 2.0)
+    assert b.run.skipped == "b failed: b broke" and b.gen is None and not b.run.tokens
+    assert skipped.run.skipped == "not installed" and not any(n == "s" for n, _, _ in calls)
+    bad = Runner(EngineRun("mtpkit"), engine("mtpkit", fail_at=11), catch=False)
+    with pytest.raises(RuntimeError, match="mtpkit broke"):
+        interleave([bad, Runner(EngineRun("c"), engine("c"))], prompts, max_tokens=2)
 
 
 def test_first_divergence():

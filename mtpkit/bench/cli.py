@@ -561,9 +561,10 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
     from .compare import (
         agreement,
         gguf_weight_bytes,
+        interleave,
         llama_cpp_available,
-        run_llama_cpp,
-        run_mtpkit,
+        llama_cpp_runner,
+        mtpkit_runners,
         run_transformers,
         write_q8_0,
     )
@@ -596,41 +597,21 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
     rows = int(len(drafter.vocab)) if drafter.vocab is not None else None
     notes: list[str] = []
 
+    # mtpkit (eager, and compiled when asked) and llama.cpp run in turns, prompt by prompt
+    # (interleave): the machine's drift must not decide their ratios. transformers runs
+    # after them, one model at a time, as before.
     prec = _precision(session.engine.model)
-    say(f"mtpkit k=0 and k={k} ...")
-    base, mtp = run_mtpkit(session, ids, [0, k], max_tokens,
-                           [f"mtpkit {prec} (no MTP)", f"mtpkit {prec} MTP k={k}"])
-    base.bound_tokens_per_s = bound_tokens_per_s(wb, 0, 1.0, bw, rows)
-    mtp.bound_tokens_per_s = bound_tokens_per_s(wb, k, mtp.mean_acceptance_length, bw, rows)
-    runs = [base, mtp]
-    pairs = [(base, mtp)]
+    runners = mtpkit_runners(session, [0, k], [f"mtpkit {prec} (no MTP)",
+                                               f"mtpkit {prec} MTP k={k}"])
     if compile not in (None, "off"):
         from ..engine.fast import enable_fast
 
-        if enable_fast(session.engine, compile) is not None:
-            say(f"mtpkit compiled ({compile}) k=0 and k={k} (first run builds the programs) ...")
-            cbase, cmtp = run_mtpkit(session, ids, [0, k], max_tokens,
-                                     [f"mtpkit {prec} compiled (no MTP)",
-                                      f"mtpkit {prec} compiled MTP k={k}"])
-            cbase.bound_tokens_per_s, cmtp.bound_tokens_per_s = (base.bound_tokens_per_s,
-                                                                 mtp.bound_tokens_per_s)
-            runs += [cbase, cmtp]
-            pairs.append((cbase, cmtp))
-    del session
-    variants = []
-    if "transformers" not in skip:
-        variants.append(("transformers fp32", "float32", None))
-    if "transformers-bf16" not in skip:
-        variants.append(("transformers bf16", "bfloat16", None))
-    if "prompt-lookup" not in skip:
-        variants.append((f"transformers fp32 prompt lookup ({lookup})", "float32", lookup))
-    if variants:
-        say("transformers ...")
-        for r in run_transformers(folder, ids, max_tokens, eos, variants):
-            if "prompt lookup" not in r.engine:
-                scale = 0.5 if "bf16" in r.engine else 1.0
-                r.bound_tokens_per_s = bw * 1e9 / (wb["trunk"] * scale)
-            runs.append(r)
+        if enable_fast(session.engine, compile) is not None:  # sets session.engine.fast
+            say(f"mtpkit compiled ({compile}): the first run builds the programs ...")
+            runners += mtpkit_runners(session, [0, k], [f"mtpkit {prec} compiled (no MTP)",
+                                                        f"mtpkit {prec} compiled MTP k={k}"],
+                                      fast=session.engine.fast)
+    n_mtpkit = len(runners)
     extra = [(f"llama.cpp {g.stem}", g) for g in ggufs]
     if "llama.cpp" not in skip:
         if not llama_cpp_available():
@@ -651,11 +632,39 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
             ggufs += extra
             threads = torch.get_num_threads()
             for name, path in ggufs:
-                say(f"{name} ...")
-                r = run_llama_cpp(name, path, ids, max_tokens, eos, threads)
-                if not r.skipped:
-                    r.bound_tokens_per_s = bw * 1e9 / gguf_weight_bytes(path)
-                runs.append(r)
+                r = llama_cpp_runner(name, path, ids, max_tokens, eos, threads)
+                if not r.run.skipped:
+                    r.run.bound_tokens_per_s = bw * 1e9 / gguf_weight_bytes(path)
+                runners.append(r)
+    say(", ".join(r.run.engine for r in runners if r.gen is not None)
+        + ": in turns, prompt by prompt ...")
+    schedule = interleave(runners, ids, max_tokens)
+    runs = [r.run for r in runners[:n_mtpkit]]
+    peers = [r.run for r in runners[n_mtpkit:]]  # listed after transformers, as before
+    base, mtp = runs[0], runs[1]
+    base.bound_tokens_per_s = bound_tokens_per_s(wb, 0, 1.0, bw, rows)
+    mtp.bound_tokens_per_s = bound_tokens_per_s(wb, k, mtp.mean_acceptance_length, bw, rows)
+    pairs = [(runs[i], runs[i + 1]) for i in range(0, n_mtpkit, 2)]
+    for b, m in pairs[1:]:
+        b.bound_tokens_per_s, m.bound_tokens_per_s = (base.bound_tokens_per_s,
+                                                      mtp.bound_tokens_per_s)
+    session.engine.fast = None
+    del session, runners  # and the compiled programs: transformers runs alone
+    variants = []
+    if "transformers" not in skip:
+        variants.append(("transformers fp32", "float32", None))
+    if "transformers-bf16" not in skip:
+        variants.append(("transformers bf16", "bfloat16", None))
+    if "prompt-lookup" not in skip:
+        variants.append((f"transformers fp32 prompt lookup ({lookup})", "float32", lookup))
+    if variants:
+        say("transformers ...")
+        for r in run_transformers(folder, ids, max_tokens, eos, variants):
+            if "prompt lookup" not in r.engine:
+                scale = 0.5 if "bf16" in r.engine else 1.0
+                r.bound_tokens_per_s = bw * 1e9 / (wb["trunk"] * scale)
+            runs.append(r)
+    runs += peers
     table = []
     for r in runs:
         row = {"engine": r.engine, "skipped": r.skipped, "tokens_per_s": r.tokens_per_s,
@@ -678,6 +687,7 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
             "prompts": [{"name": p.name, "chat": p.chat, "prompt_tokens": len(i)}
                         for p, i in zip(prompts, ids, strict=True)],
             "engines": table, "mtpkit_lossless": lossless, "notes": notes,
+            "in_turns": schedule,
             "tokens": {r.engine: r.tokens for r in runs}}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,33 +64,81 @@ def agreement(run: EngineRun, ref: EngineRun) -> dict:
             "earliest_divergence": min(diverged) if diverged else None}
 
 
+# -- engines in turns ------------------------------------------------------------------------
+@dataclass
+class Runner:
+    """One engine, one prompt at a time: ``gen(ids, n, warm)`` -> (tokens, TTFT s, token
+    arrival times); ``warm``: the warm-up call, not measured."""
+
+    run: EngineRun
+    gen: Callable | None = None  # None: skipped (run.skipped says why)
+    catch: bool = True  # a peer failing midway is a note; mtpkit failing is an error
+    done: Callable | None = None  # called once after the last prompt
+
+
+def interleave(runners: list[Runner], prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """Every prompt through every runner, the runners' order rotated by one per prompt.
+
+    This machine's speed drifts by a third within minutes (llama.cpp Q4_1: 76.7 and 103.4
+    tok/s in two runs minutes apart), so engines timed one after another in blocks compare
+    the hours they ran in as much as the engines. In turns, prompt by prompt, they share
+    the drift. Returns the schedule (engine names in the order they ran)."""
+    live = [r for r in runners if r.gen is not None]
+    schedule = []
+
+    def call(r: Runner, ids, n, warm=False):
+        try:
+            return r.gen(ids, n, warm)
+        except Exception as e:
+            if not r.catch:
+                raise
+            r.run = EngineRun(r.run.engine, skipped=f"{r.run.engine} failed: "
+                              f"{(str(e) or type(e).__name__).splitlines()[0]}")
+            r.gen = None
+            return None
+
+    for r in live:  # warm-up: code paths, caches, compiled programs
+        call(r, max(prompts, key=len), 8, warm=True)
+    for i, ids in enumerate(prompts):
+        shift = i % len(live) if live else 0
+        for r in live[shift:] + live[:shift]:
+            if r.gen is None:
+                continue
+            out = call(r, ids, max_tokens)
+            if out is not None:
+                r.run.add(*out)
+                schedule.append(r.run.engine)
+    for r in runners:
+        if r.done is not None and r.gen is not None:
+            r.done()
+    return schedule
+
+
 # -- mtpkit ----------------------------------------------------------------------------------
-def run_mtpkit(session, prompts: list[list[int]], ks: list[int], max_tokens: int,
-               names: list[str]) -> list[EngineRun]:
-    """mtpkit at every k in ``ks``, alternating k per prompt (drift biases neither)."""
+def mtpkit_runners(session, ks: list[int], names: list[str], fast=None) -> list[Runner]:
+    """mtpkit at every k in ``ks``, on the engine's eager path or through ``fast`` (a
+    FastDecoder: the compiled programs); runners of both kinds share one engine."""
     from ..engine.metrics import SpecMetrics
 
     engine = session.engine
-    params = SamplingParams(max_tokens=max_tokens)
-    runs = [EngineRun(n) for n in names]
-    spec = [SpecMetrics() for _ in ks]
-    for k in ks:  # warm-up: code paths and cache sizes, as the offline sweep does
-        gen = engine.generate(max(prompts, key=len), params, k, result=Result())
-        for n, _ in enumerate(gen):
-            if n >= 8:
-                break
-        gen.close()
-    for ids in prompts:
-        for k, run, total in zip(ks, runs, spec, strict=True):
-            res = Result()
-            times = []
-            for _ in engine.generate(ids, params, k, result=res):
+    runners = []
+    for k, name in zip(ks, names, strict=True):
+        run, total = EngineRun(name), SpecMetrics()
+
+        def gen(ids, n, warm=False, k=k, total=total):
+            engine.fast = fast  # which path this runner measures (the engine routes on it)
+            res, times = Result(), []
+            for _ in engine.generate(ids, SamplingParams(max_tokens=n), k, result=res):
                 times.append(time.perf_counter())
-            run.add(list(res.tokens), res.metrics.ttft_s, times)
-            total.add(res.metrics)
-    for k, run, total in zip(ks, runs, spec, strict=True):
-        run.mean_acceptance_length = total.mean_acceptance_length if k else None
-    return runs
+            if not warm:
+                total.add(res.metrics)
+            return list(res.tokens), res.metrics.ttft_s, times
+
+        def done(run=run, total=total, k=k):
+            run.mean_acceptance_length = total.mean_acceptance_length if k else None
+
+        runners.append(Runner(run, gen, catch=False, done=done))
+    return runners
 
 
 # -- transformers ----------------------------------------------------------------------------
@@ -230,8 +279,8 @@ def write_q8_0(folder: Path, tokenizer, dest: Path) -> Path:
     return dest
 
 
-def run_llama_cpp(name: str, path: Path, prompts: list[list[int]], max_tokens: int, eos_ids,
-                  threads: int) -> EngineRun:
+def llama_cpp_runner(name: str, path: Path, prompts: list[list[int]], max_tokens: int, eos_ids,
+                     threads: int) -> Runner:
     """llama-cpp-python on a GGUF, greedy (top-k 1, temperature 0, no repeat penalty)."""
     run = EngineRun(name)
     try:
@@ -242,10 +291,10 @@ def run_llama_cpp(name: str, path: Path, prompts: list[list[int]], max_tokens: i
                     n_threads_batch=threads, verbose=False)
     except Exception as e:  # noqa: BLE001 - a broken optional engine is a note, not a crash
         run.skipped = f"llama.cpp could not load {path}: {str(e).splitlines()[0]}"
-        return run
+        return Runner(run)
     stop = set(eos_ids) | {llm.token_eos()}
 
-    def gen(ids, n):
+    def gen(ids, n, warm=False):
         llm.reset()  # no prefix reuse from the previous prompt: TTFT includes the prefill
         toks, times = [], []
         t0 = time.perf_counter()
@@ -257,10 +306,6 @@ def run_llama_cpp(name: str, path: Path, prompts: list[list[int]], max_tokens: i
             toks.append(int(tok))
             if len(toks) >= n:
                 break
-        return toks, t0, times
+        return toks, times[0] - t0 if times else 0.0, times
 
-    gen(max(prompts, key=len), 8)
-    for ids in prompts:
-        toks, t0, times = gen(ids, max_tokens)
-        run.add(toks, times[0] - t0 if times else 0.0, times)
-    return run
+    return Runner(run, gen)
