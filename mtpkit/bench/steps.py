@@ -81,8 +81,11 @@ def steps_report(engine, backends: list[str], k: int, context: int, repeats: int
     """Rows per backend, ratios to that backend's decode step, and the bandwidth bound
     (each decode step against the bandwidth measured in its own turn)."""
     wb = weight_bytes(engine.model)
-    bw = lambda: measure_bandwidth(bandwidth_mb, repeats=3)  # noqa: E731
-    rows = [step_costs(engine, b, k, context, repeats, turns=turns, bandwidth=bw)
+
+    def bandwidth() -> float:
+        return measure_bandwidth(bandwidth_mb, repeats=3)
+
+    rows = [step_costs(engine, b, k, context, repeats, turns=turns, bandwidth=bandwidth)
             for b in backends]
     for r in rows:
         r["decode_over_bound"] = _spread(
