@@ -44,6 +44,9 @@ def test_offline_sweep_writes_consistent_results(model_dir, tmp_path, capsys):
     assert sorted(per_k) == [0, 1, 2]  # k=0 is always measured: it is the baseline
     assert res["identical_across_k"] and all(r["identical_to_k0"] for r in per_k.values())
     n_prompts = len(res["prompts"])
+    # The k values took turns on each prompt, their order rotated by one per prompt.
+    order = [[x["k"] for x in res["runs"] if x["prompt"] == i] for i in range(n_prompts)]
+    assert order == [([0, 1, 2] * 2)[i % 3:i % 3 + 3] for i in range(n_prompts)]
     # Every figure is recomputed here from the per-run records.
     for k, r in per_k.items():
         runs = [x for x in res["runs"] if x["k"] == k]

@@ -93,8 +93,9 @@ def sweep(
 ) -> OfflineResult:
     """Greedy generation of every prompt at every k (k = 0 added as the baseline), pooled.
 
-    The k values alternate within each prompt and repetition, so that a machine whose speed
-    drifts (other load, clocks) biases no k against another."""
+    The k values take turns within each prompt and repetition, their order rotated by one
+    each prompt, so that a machine whose speed drifts (other load, clocks) biases no k
+    against another."""
     if not prompts:
         raise ValueError("no prompts to benchmark")
     if any(k < 0 for k in ks):
@@ -111,7 +112,10 @@ def sweep(
     runs: list[Run] = []
     for r in range(repeat):
         for i, ids in enumerate(prompts):
-            for k in ks:
+            # The order of k rotates by one each prompt: in a fixed order the last k would
+            # always run latest in the machine's drift.
+            shift = (r * len(prompts) + i) % len(ks)
+            for k in ks[shift:] + ks[:shift]:
                 res = Result()
                 for _ in engine.generate(ids, params, k, result=res, drafter=drafter):
                     pass
