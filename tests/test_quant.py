@@ -93,6 +93,40 @@ def test_hand_int8_kernel_is_exact_and_row_independent(n, k):
 
 
 @pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's kernels do not build here")
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 4095, 4096, 4101, 49152])
+def test_argmax_rows_matches_torch(vocab):
+    """mtpkit::argmax_rows is torch.argmax over each row: the first maximum (ties at the
+    ends of vector blocks and of the threads' column halves), a NaN above every number (the
+    first NaN), infinities, rows of -inf, whatever the thread count."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    # Small integers: many ties, the maximum repeated across blocks and halves.
+    x[1] = torch.randint(-3, 4, (vocab,), generator=g).float()
+    x[2] = 5.0  # all equal: index 0
+    x[3, -1] = 1e30  # the last column
+    x[4] = float("-inf")
+    x[5, vocab // 2] = float("inf")
+    x[5, -1] = float("inf")
+    x[6, vocab // 3] = float("nan")
+    x[6, -1] = float("nan")
+    x[7, -1] = float("nan")
+    x[8] = -0.0
+    x[8, vocab - 1] = 0.0
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for rows in (x, x[:1], x[2:7]):
+                got = torch.ops.mtpkit.argmax_rows(rows)
+                assert got.dtype == torch.long and torch.equal(got, rows.argmax(-1)), (n, rows)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.ops.mtpkit.argmax_rows(x.t().contiguous().t()), x.argmax(-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.mtpkit.argmax_rows(x.double())
+
+
+@pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's kernels do not build here")
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (6, 1, 20),
                                                 (8, 8, 72), (16, 2, 128)])
 def test_row_attention_kernel_matches_sdpa(heads, kv_heads, dim):

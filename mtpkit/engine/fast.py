@@ -53,7 +53,7 @@ from torch import nn
 
 from ..models.attention import Attention
 from ..models.layers import MLP, PreNormDecoderLayer, Rotary
-from ..quant.kernels import int8_mm_available, kernel_choice
+from ..quant.kernels import argmax_rows, int8_mm_available, kernel_choice
 from ..quant.kernels import source_digest as kernel_source_digest
 from ..quant.linear import QuantLinear, linear_rows, stack_outputs
 from .generate import Result, emit
@@ -298,7 +298,7 @@ class Programs(nn.Module):
         tokens = token.expand(1, r)
         post, _ = self.trunk(tokens, pos + torch.arange(r, device=pos.device), kc, vc, span,
                              1 if self.rowwise else None)
-        return self.model.logits(post[0]).argmax(-1)[:1]  # all rows, as verify does
+        return argmax_rows(self.model.logits(post[0]))[:1]  # all rows, as verify does
 
     def _pad(self, tokens):
         # Quantized trunks: pad a step to QUANT_ROWS rows with copies of its last token (their
@@ -314,7 +314,7 @@ class Programs(nn.Module):
         padded = self._pad(tokens)
         pos = pos0 + torch.arange(padded.shape[1], device=tokens.device)
         post, _ = self.trunk(padded, pos, kc, vc, span, t if self.rowwise else None)
-        return self.model.logits(post[0]).argmax(-1)[:t]
+        return argmax_rows(self.model.logits(post[0]))[:t]
 
     def draft_step(self, token, state, pos, hk, hv, span):
         """One chained head step [1, 1] at pos [1] and its draft pick (cost tables)."""
@@ -329,7 +329,7 @@ class Programs(nn.Module):
         padded = self._pad(tokens)
         pos = pos0 + torch.arange(padded.shape[1], device=tokens.device)
         post, pre = self.trunk(padded, pos, kc, vc, span, t if self.rowwise else None)
-        target = self.model.logits(post[0]).argmax(-1)[:t]  # [T]
+        target = argmax_rows(self.model.logits(post[0]))[:t]  # [T]
         post, pre, pos = post[:, :t], pre[:, :t], pos[:t]
         # n = length of the run of drafts equal to the target's choice.
         n = torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)

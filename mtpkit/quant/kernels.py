@@ -2,10 +2,11 @@
 
 ``int8_mm_available()`` builds the extension once per source version with the C++ compiler
 torch's inductor also needs (into ``<mtpkit cache>/ext``) and registers
-``torch.ops.mtpkit.int8_mm``, ``int8_a8_mm`` and ``attend_rows`` (a step's query rows'
+``torch.ops.mtpkit.int8_mm``, ``int8_a8_mm``, ``attend_rows`` (a step's query rows'
 attention, each row as its own one-row computation, for the compiled path's row-wise
-steps). Where it cannot (no compiler, no AVX2, or ``MTPKIT_INT8_KERNEL=library``) it says
-why once and callers use torch's own kernels.
+steps) and ``argmax_rows`` (the compiled steps' greedy pick). Where it cannot (no
+compiler, no AVX2, or ``MTPKIT_INT8_KERNEL=library``) it says why once and callers use
+torch's own kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "attend_rows.cpp")  # compiled
+_SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "attend_rows.cpp", _CSRC / "argmax_rows.cpp")
 _HEADERS = (_CSRC / "simd.h",)  # included by them
 _state: dict = {}  # "ok": bool, "why": str, once per process
 
@@ -64,6 +65,7 @@ def _build() -> None:
     for op in ("mtpkit::int8_mm", "mtpkit::int8_a8_mm"):
         torch.library.register_fake(op)(_fake_mm)
     torch.library.register_fake("mtpkit::attend_rows")(_fake_attend)
+    torch.library.register_fake("mtpkit::argmax_rows")(_fake_argmax)
 
 
 @contextlib.contextmanager
@@ -102,6 +104,17 @@ def _fake_mm(x, w, s):
 
 def _fake_attend(q, k, v, pos, rows):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2])
+
+
+def _fake_argmax(x):
+    return x.new_empty(x.shape[0], dtype=torch.long)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits [T, V], -1) -> [T], by mtpkit's kernel where it runs (CPU fp32)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and int8_mm_available():
+        return torch.ops.mtpkit.argmax_rows(logits)
+    return logits.argmax(-1)
 
 
 def int8_mm_available() -> bool:
