@@ -45,6 +45,16 @@ def parse_int_list(text: str, option: str, minimum: int = 0, maximum: int = 64) 
     return out
 
 
+def in_turn(items: Sequence, turn: int) -> list:
+    """``items`` in the order of turn ``turn``: rotated left by ``turn`` places.
+
+    The benches run their engines or draft lengths in turns, prompt by prompt, rotating the
+    order each time: in a fixed order the last would always run latest in the machine's
+    drift."""
+    shift = turn % len(items) if items else 0
+    return list(items[shift:]) + list(items[:shift])
+
+
 def summarize(values: Sequence[float]) -> dict:
     """mean, median, p90, p99 (linear interpolation, as numpy), min, max and count."""
     import numpy as np

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..engine.generate import Result
 from ..engine.sampling import SamplingParams
+from .common import in_turn
 
 
 @dataclass
@@ -100,8 +101,7 @@ def interleave(runners: list[Runner], prompts: list[list[int]], max_tokens: int)
     for r in live:  # warm-up: code paths, caches, compiled programs
         call(r, max(prompts, key=len), 8, warm=True)
     for i, ids in enumerate(prompts):
-        shift = i % len(live) if live else 0
-        for r in live[shift:] + live[:shift]:
+        for r in in_turn(live, i):
             if r.gen is None:
                 continue
             out = call(r, ids, max_tokens)

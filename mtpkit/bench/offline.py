@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from ..engine.generate import Engine, Result
 from ..engine.metrics import SpecMetrics
 from ..engine.sampling import SamplingParams
-from .common import summarize
+from .common import in_turn, summarize
 
 
 @dataclass
@@ -112,10 +112,7 @@ def sweep(
     runs: list[Run] = []
     for r in range(repeat):
         for i, ids in enumerate(prompts):
-            # The order of k rotates by one each prompt: in a fixed order the last k would
-            # always run latest in the machine's drift.
-            shift = (r * len(prompts) + i) % len(ks)
-            for k in ks[shift:] + ks[:shift]:
+            for k in in_turn(ks, r * len(prompts) + i):
                 res = Result()
                 for _ in engine.generate(ids, params, k, result=res, drafter=drafter):
                     pass

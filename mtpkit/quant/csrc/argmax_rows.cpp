@@ -32,6 +32,7 @@ struct Best {
 Best scan(const float* p, int64_t n, int64_t base) {
   int64_t i = 0;
   float m = -INFINITY;
+  bool nan = false;
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 vm = _mm256_set1_ps(-INFINITY), unord = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
@@ -39,20 +40,17 @@ Best scan(const float* p, int64_t n, int64_t base) {
     unord = _mm256_or_ps(unord, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     vm = _mm256_max_ps(vm, v);
   }
-  const bool nan_seen = _mm256_movemask_ps(unord) != 0;
+  nan = _mm256_movemask_ps(unord) != 0;
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vm);
   for (float l : lanes) m = l > m ? l : m;
-#else
-  const bool nan_seen = false;
 #endif
-  bool nan = nan_seen;
   for (int64_t j = i; j < n; j++) {
     if (std::isnan(p[j])) nan = true;
     else if (p[j] > m) m = p[j];
   }
-  // Second pass: the first position holding it (the vector max above ignores NaN lanes'
-  // order, so NaNs are found here too).
+  // Second pass: the first position holding the maximum, or the first NaN when there is
+  // one (the maximum above is then meaningless: vmaxps passes NaN lanes through unevenly).
   for (int64_t j = 0; j < n; j++) {
     if (nan ? std::isnan(p[j]) : p[j] == m) return {p[j], base + j, nan};
   }
@@ -74,7 +72,7 @@ static at::Tensor argmax_rows(const at::Tensor& x) {
   const at::Tensor xc = x.contiguous();
   const int64_t T = x.size(0), V = x.size(1);
   at::Tensor out = at::empty({T}, x.options().dtype(at::kLong));
-  // Two column parts a row (rows are few and long): parts[t * 2 + c].
+  // Each row in `parts` column ranges (rows are few and long): found[t * parts + c].
   const int64_t parts = V >= 4096 ? 2 : 1, width = (V + parts - 1) / parts;
   std::vector<Best> found(T * parts);
   const float* xp = xc.data_ptr<float>();
