@@ -217,8 +217,8 @@ def _quantizable(name: str) -> bool:
     return name.endswith(".weight") and not any(s in name for s in skip)
 
 
-def w4a16(src: Path, out: Path, mtp: str = "bf16-unlisted", ignore_style: str = "exact"
-          ) -> Path:
+def w4a16(src: Path, out: Path, mtp: str = "bf16-unlisted", ignore_style: str = "exact",
+          head_as_stored: bool = False) -> Path:
     """A W4A16 (group 32) release of ``src``: trunk linears quantized with compressed-tensors'
     packing; the MTP head stored BF16 (``mtp='bf16-unlisted'``: not in the ignore list, what
     llm-compressor writes; ``'bf16-listed'``: listed as ``ignore_style`` says) or quantized to
@@ -226,7 +226,10 @@ def w4a16(src: Path, out: Path, mtp: str = "bf16-unlisted", ignore_style: str = 
 
     ignore_style for a listed head: ``exact`` (mtpkit's ignore_list_for, healthy),
     ``ondisk`` (every on-disk module name), ``partial`` (one shard of each fused module),
-    ``regex`` (a pattern that matches nothing)."""
+    ``regex`` (a pattern that matches nothing).
+
+    ``head_as_stored``: an unquantized head keeps ``src``'s dtype instead of BF16, as
+    ``graft --mtp-precision keep`` writes it from a float32 source."""
     from mtpkit.checkpoint.runtime_names import ignore_list_for
 
     copy(src, out)
@@ -252,7 +255,7 @@ def w4a16(src: Path, out: Path, mtp: str = "bf16-unlisted", ignore_style: str = 
             for suffix, t in pack_w4a16(v).items():
                 dest[f"{mod}.{suffix}"] = t
             continue
-        if v.is_floating_point():
+        if v.is_floating_point() and not (is_mtp and head_as_stored):
             v = v.to(torch.bfloat16)
         dest[k] = v
         if k.endswith(".weight") and v.dim() == 2 and _quantizable(k):

@@ -183,10 +183,16 @@ FAMILY_IDS = [f.name for f in FAMILIES]
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Re-draw every weight at a scale that gives peaked, position-dependent logits."""
     g = torch.Generator().manual_seed(seed)
+    # mtpkit's norms say whether they are zero-centred; a model built by build_model holds
+    # uninitialised memory, so its values must not decide (they did, and a head's norms came
+    # out 0 or 1 centred from one process to the next). transformers' norms start at 0 or 1.
+    centred = {f"{n}.weight": m.zero_centered for n, m in model.named_modules()
+               if hasattr(m, "zero_centered")}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
-                if "norm" in name and float(p.abs().sum()) == 0:  # zero-centred norms
+                zero = centred[name] if name in centred else float(p.abs().sum()) == 0
+                if "norm" in name and zero:  # zero-centred norms
                     p.copy_(0.1 * torch.randn(p.shape, generator=g))
                 elif "norm" in name:
                     p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
