@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny import FAMILY_IDS, VOCAB
 
-from mtpkit.engine.fast import FastDecoder
+from mtpkit.engine.fast import FastDecoder, dynamo_graphs
 from mtpkit.engine.generate import Engine, Result
 from mtpkit.engine.loader import load_model
 from mtpkit.engine.sampling import SamplingParams
@@ -93,14 +93,19 @@ def test_quantized_trunks_on_cuda(scheme, group, checkpoint_factory, tmp_path):
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_fast_path_on_cuda(backend, checkpoint_factory):
-    """The fixed-shape decoder (eager and compiled) gives the eager engine's tokens on CUDA."""
+    """The fixed-shape decoder (eager and compiled) gives the eager engine's tokens on CUDA,
+    and once warmed up never compiles again."""
     engine = Engine(_load(checkpoint_factory("llama"), "cuda"))
     dec = FastDecoder(engine.model, backend=backend, mode="default", max_len=128)
+    for k in (0, 1, 3):
+        dec.warmup(k)
+    before = dynamo_graphs()
     for prompt in PROMPTS:
         want, _ = _greedy(engine, prompt, 0)
         for k in (0, 1, 3):
             got = list(dec.generate(prompt, 24, k, result=Result(), eos_ids=set()))
             assert got == want, f"k={k} prompt={prompt}"
+    assert dynamo_graphs() == before, "a program compiled again during generation"
 
 
 def test_calibrate_on_cuda_follows_the_cpu(checkpoint_factory, tmp_path):

@@ -129,6 +129,20 @@ def test_inductor_compiles_once(engine_factory):
     assert dec.stats.compiled >= 2
 
 
+def test_rotary_tables_move_with_the_model():
+    """model.to(device) moves the rotary inverse frequencies (a plain attribute, so that dtype
+    casts leave them fp32). Moved lazily inside a compiled program instead, the move made
+    every CUDA program compile a second time, in the middle of a request."""
+    from mtpkit.models.layers import Rotary
+
+    m = torch.nn.Sequential(Rotary(8, 1e4))
+    want = m[0].inv_freq.clone()
+    m.to(torch.bfloat16)
+    assert m[0].inv_freq.dtype == torch.float32 and torch.equal(m[0].inv_freq, want)
+    m.to("meta")  # the one other device a CPU-only machine has
+    assert m[0].inv_freq.device.type == "meta"
+
+
 def test_aoti_programs_are_cached(engine_factory, tmp_path, monkeypatch):
     """An exported program is built once, then loaded by a later decoder."""
     engine = engine_factory("qwen2")

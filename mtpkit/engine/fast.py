@@ -127,9 +127,10 @@ def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
     g = nh // nkv
     # narrow, not [:span]: a slice would clamp to the buffer and pin the span's length.
     keys, values = kbuf.narrow(2, 0, span), vbuf.narrow(2, 0, span)
+    # reshape, not view, after SDPA: CUDA's kernels may return [b, t, h, d]-strided outputs.
     if rows is None:
         out = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, hd), keys, values,
-                                             attn_mask=mask).view(b, nh, t, hd)
+                                             attn_mask=mask).reshape(b, nh, t, hd)
     elif _row_kernel(q, kbuf):
         # mtpkit's kernel: each row (keys 0..pos[j], the mask's rule) the same computation
         # a one-token step makes, all rows in one call; a third of torch's SDPA time for a
@@ -139,7 +140,7 @@ def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
     else:
         # As above through torch's SDPA (mask rows j, j+t, .. are row j's).
         outs = [F.scaled_dot_product_attention(q[:, :, j : j + 1].reshape(b, nkv, g, hd), keys,
-                                               values, attn_mask=mask[j::t]).view(b, nh, 1, hd)
+                                               values, attn_mask=mask[j::t]).reshape(b, nh, 1, hd)
                 for j in range(rows)]
         out = torch.cat(outs + outs[-1:] * (t - rows), dim=2)
     return _out_proj(attn, out.transpose(1, 2).reshape(b, t, nh * hd), gate)

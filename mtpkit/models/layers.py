@@ -115,6 +115,16 @@ class Rotary(nn.Module):
         self.inv_freq = rope_inv_freq(rot_dim, theta, scaling)
         self.attention_factor = rope_attention_factor(scaling)
 
+    def _apply(self, fn, recurse=True):
+        # Device moves (model.to("cuda"), to_empty) take inv_freq along; dtype casts do not.
+        # Moving it lazily in cos_sin instead made torch.compile trace the move: the first
+        # compiled call replaced the tensor, its guard failed, and every CUDA program
+        # compiled twice, the second time in the middle of a request (50 s on an H100).
+        probe = fn(torch.empty(0, device=self.inv_freq.device))
+        if probe.device != self.inv_freq.device:
+            self.inv_freq = self.inv_freq.to(probe.device)
+        return super()._apply(fn, recurse)
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables [T, rot_dim] for integer positions [T]."""
         if self.inv_freq.device != positions.device:
