@@ -298,6 +298,34 @@ def test_feature_cache_loss_equals_online_loss(setup, trained):
                        vocab=vocab, top_k=len(vocab), key="other")
 
 
+def test_cached_loss_dequantizes_only_the_draft_rows(setup, trained):
+    """On an int8 lm_head the cached loss equals the loss through its dequantized float copy,
+    without building that copy of the whole matrix."""
+    from mtpkit.quant.linear import QuantLinear
+    from mtpkit.train import features
+
+    root, trunk, data = setup
+    loaded = _quiet_load(trunk, head=trained)
+    model, tok = loaded.model, loaded.tokenizer
+    vocab = list(range(0, model.config.vocab_size, 3))
+    files = [str(f) for f in sorted(data.iterdir())]
+    cache = features.build(model, tok, files, root / "feat-sub", seq_len=64, tokens=4 * 64,
+                           vocab=vocab, top_k=8, key="sub")
+    batch = _first_batch(cache)
+    w = model.lm_head.weight.detach()
+    scale = w.abs().amax(1, keepdim=True) / 127
+    q = QuantLinear.from_int(torch.round(w / scale).to(torch.int8), scale, None, 8, None)
+    ref = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    ref.weight = torch.nn.Parameter(q.dequantize(), requires_grad=False)
+    with torch.no_grad():
+        model.lm_head = ref
+        want = features.cached_loss(model, batch, 2, torch.tensor(vocab))
+        model.lm_head = q
+        got = features.cached_loss(model, batch, 2, torch.tensor(vocab))
+    assert float(got[0]) == float(want[0]) and got[1:] == want[1:]
+    assert not any(isinstance(key, tuple) and key[0] == "weight" for key in q._packed)
+
+
 def test_calibrate_from_feature_cache(setup, capsys, monkeypatch):
     """--features: the trunk runs once, epochs reuse it; the head learns and stays lossless."""
     root, trunk, data = setup

@@ -225,13 +225,16 @@ def cached_loss(model, batch: dict[str, torch.Tensor], depth: int, vocab: torch.
     position when the head's draft (mapped back to a token id) is the trunk's greedy token
     over the WHOLE vocabulary, as verification would judge it.
     """
+    from ..quant.linear import linear_rows
     from .calibrate import chained_head_logits
 
     head = head if head is not None else model.mtp
     dev = model.model.embed_tokens.weight.device
     ids = batch["ids"].to(dev, torch.long)
     hidden = batch["hidden"].to(dev, torch.float32)
-    w = model.lm_head.weight.detach().index_select(0, vocab.to(dev))
+    # Only the draft vocabulary's rows, dequantized on their own: a quantized lm_head's
+    # .weight would build and keep the whole float matrix (113 MB for SmolLM2's).
+    w = linear_rows(model.lm_head, vocab.to(dev)).weight.detach()
     total = torch.zeros((), device=dev)
     agree = count = 0
     for d, n, logits in chained_head_logits(
