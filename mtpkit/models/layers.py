@@ -117,9 +117,9 @@ class Rotary(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # Device moves (model.to("cuda"), to_empty) take inv_freq along; dtype casts do not.
-        # Moving it lazily in cos_sin instead made torch.compile trace the move: the first
-        # compiled call replaced the tensor, its guard failed, and every CUDA program
-        # compiled twice, the second time in the middle of a request (50 s on an H100).
+        # cos_sin used to move it lazily to the positions' device, which torch.compile traced:
+        # the first compiled call replaced the tensor, its guard failed, and every CUDA
+        # program compiled twice, the second time in the middle of a request (50 s, H100).
         probe = fn(torch.empty(0, device=self.inv_freq.device))
         if probe.device != self.inv_freq.device:
             self.inv_freq = self.inv_freq.to(probe.device)
@@ -127,8 +127,6 @@ class Rotary(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables [T, rot_dim] for integer positions [T]."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         if self.attention_factor != 1.0:
