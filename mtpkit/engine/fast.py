@@ -581,8 +581,13 @@ class FastDecoder:
         before = dynamo_graphs()
         # Dynamo reads the freezing flag while tracing, so it is set around the first call
         # (which compiles) rather than passed as a per-compile option. Generation runs in
-        # inference mode, and guards compare dispatch keys: the first call must too.
+        # inference mode, and guards compare dispatch keys: the first call must too. Every
+        # program is one more cache entry of the same code object (_Step.forward), which
+        # dynamo counts as a recompilation: a process that builds several decoders or
+        # draft lengths passed its limit of 8 and failed (fullgraph). These are distinct
+        # programs by design, so the limit is lifted for the compiling call only.
         with (inductor_config.patch(_inductor_configs(self.mode, self.programs.rowwise)),
+              torch._dynamo.config.patch(recompile_limit=1 << 16),
               torch.inference_mode()):
             example = self._example(kind, t)
             torch._dynamo.mark_dynamic(example[-1], 0, min=2 * SPAN_STEP, max=self.max_len)
