@@ -171,8 +171,9 @@ def test_aoti_programs_are_cached(engine_factory, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def quantized_engines(checkpoint_factory, tmp_path_factory):
-    """scheme -> Engine of the tiny Llama quantized with it (w8a16 per channel, w4a16 g32;
-    "-lm": the lm_head quantized too, which makes the trunk row-exact)."""
+    """scheme -> Engine of the tiny Llama quantized with it (w8a16 per channel, w4a16 g32,
+    w4a8 g32 with zero points; "-lm": the lm_head quantized too, which makes the trunk
+    row-exact)."""
     import warnings
 
     from mtpkit.engine.loader import load_model
@@ -181,10 +182,11 @@ def quantized_engines(checkpoint_factory, tmp_path_factory):
 
     engines = {}
     for name, group in (("w8a16", None), ("w4a16", 32), ("w8a8-lm", None),
-                        ("w8a16-lm", None)):
+                        ("w8a16-lm", None), ("w4a8-lm", 32)):
         out = tmp_path_factory.mktemp(name) / "m"
         quantize_checkpoint(checkpoint_factory("llama_tied"), out,
-                            Scheme(name.removesuffix("-lm"), group, True), mtp="same",
+                            Scheme(name.removesuffix("-lm"), group, name != "w4a8-lm"),
+                            mtp="same",
                             lm_head="same" if name.endswith("-lm") else "keep")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -192,7 +194,7 @@ def quantized_engines(checkpoint_factory, tmp_path_factory):
     return engines
 
 
-@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8-lm", "w8a16-lm"])
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8-lm", "w8a16-lm", "w4a8-lm"])
 def test_quantized_verify_rows_equal_one_token_steps(scheme, quantized_engines):
     """On int8/int4 trunks every row of a verification equals, bit for bit, the one-token
     decode step at its position (the property that makes MTP lossless there); row-exact
@@ -224,7 +226,7 @@ def test_quantized_verify_rows_equal_one_token_steps(scheme, quantized_engines):
             assert torch.equal(one[0, 0], rows[0, j]), f"row {j}"
 
 
-@pytest.mark.parametrize("scheme", ["w8a8-lm", "w8a16-lm"])
+@pytest.mark.parametrize("scheme", ["w8a8-lm", "w8a16-lm", "w4a8-lm"])
 def test_row_exact_trunks_stack_qkv_and_gate_up_exactly(scheme, quantized_engines):
     """Row-exact trunks run q/k/v and gate/up as one int8 layer each; the trunk's states and
     cache entries are the same bits as with the layers apart."""
@@ -247,7 +249,7 @@ def test_row_exact_trunks_stack_qkv_and_gate_up_exactly(scheme, quantized_engine
     assert all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
 
 
-@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8-lm", "w8a16-lm"])
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8-lm", "w8a16-lm", "w4a8-lm"])
 def test_quantized_models_take_the_fast_path_exactly(scheme, quantized_engines):
     """int8/int4 trunks decode through the fast path with the eager engine's tokens, at every
     draft depth the path serves on them (any depth on row-exact trunks)."""
@@ -287,11 +289,12 @@ def test_quantized_compiled_programs_stay_exact(quantized_engines, capsys):
         dec.check_draft(QUANT_ROWS)
 
 
-def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines):
-    """Compiled programs of a row-exact trunk (W8A8 with its lm_head quantized: every GEMM
-    one of mtpkit's int8 kernels) decode one row per step and verify k+1 rows per round with
-    the compiled k = 0 tokens at every k, and draft as deep as asked."""
-    engine = quantized_engines["w8a8-lm"]
+@pytest.mark.parametrize("scheme", ["w8a8-lm", "w4a8-lm"])
+def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines, scheme):
+    """Compiled programs of a row-exact trunk (W8A8 or W4A8 with its lm_head quantized:
+    every GEMM one of mtpkit's kernels) decode one row per step and verify k+1 rows per
+    round with the compiled k = 0 tokens at every k, and draft as deep as asked."""
+    engine = quantized_engines[scheme]
     dec = FastDecoder(engine.model, backend="inductor", mode="max-autotune", max_len=128)
     assert dec.programs.row_exact and dec.programs.rows is None
     dec.check_draft(3)  # no depth limit

@@ -21,7 +21,7 @@ from mtpkit.engine.loader import load_model
 from mtpkit.engine.sampling import SamplingParams
 from mtpkit.quant.formats import _gptq, _pack_quantized, _scaled
 from mtpkit.quant.kernels import int8_mm_available
-from mtpkit.quant.linear import QuantLinear, a8_reference, quantize_rows
+from mtpkit.quant.linear import QuantLinear, a4_reference, a8_reference, quantize_rows
 from mtpkit.quant.pack import Scheme, _compressor, quantize_weight
 
 INT_LAYOUTS = [  # (bits, group, asymmetric, act-order permutation)
@@ -176,16 +176,18 @@ def test_row_attention_kernel_matches_sdpa(heads, kv_heads, dim):
         attend(q, keys, values, pos, 4)
 
 
-@pytest.mark.parametrize("act", [None, "int8-token"])
-def test_stacked_int8_layers_give_each_layers_bits(act):
+@pytest.mark.parametrize("bits,act", [(8, None), (8, "int8-token"), (4, "int8-token")])
+def test_stacked_int8_layers_give_each_layers_bits(bits, act):
     """stack_outputs (the fast path's q/k/v and gate/up as one layer) computes every output
-    exactly as its own layer does, for one row and several, biases included; layers that
-    are not row-exact or differ in scheme are not stacked."""
+    exactly as its own layer does, for one row and several, biases included (W4A8: one
+    layer with zero points beside symmetric ones); layers that are not row-exact or differ
+    in scheme are not stacked."""
     from mtpkit.quant.linear import stack_outputs
 
-    if act is None and not int8_mm_available():
-        pytest.skip("row-exact W8A16 needs mtpkit's int8 kernel")
-    parts = [_int_layer(8, None, False, False, n=n, k=96, seed=i)
+    if (act is None or bits == 4) and not int8_mm_available():
+        pytest.skip("row-exact W8A16 and W4A8 need mtpkit's kernels")
+    group = 32 if bits == 4 else None
+    parts = [_int_layer(bits, group, bits == 4 and i == 1, False, n=n, k=96, seed=i)
              for i, n in enumerate((64, 16, 16))]
     for i, m in enumerate(parts):
         m.act_quant = act
@@ -195,10 +197,14 @@ def test_stacked_int8_layers_give_each_layers_bits(act):
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(4))
     for rows in (x[:1], x):
         assert torch.equal(both(rows), torch.cat([m(rows) for m in parts], dim=-1))
-    other = _int_layer(8, None, False, False, n=16, k=96)
+    other = _int_layer(bits, group, False, False, n=16, k=96)
     other.act_quant = "int8-token" if act is None else None
     assert stack_outputs([parts[0], other]) is None
     assert stack_outputs([parts[0], _int_layer(8, None, True, False, n=16, k=96)]) is None
+    if bits == 4:
+        other = _int_layer(4, 96, False, False, n=16, k=96)
+        other.act_quant = act
+        assert other.row_exact and stack_outputs([parts[0], other]) is None
 
 
 def _a8_float64(x, codes, scale):
@@ -233,6 +239,56 @@ def test_w8a8_reference_and_kernel_agree_bit_for_bit(n, k):
             part = x[start:start + rows].contiguous()
             assert torch.equal(torch.ops.mtpkit.int8_a8_mm(part, codes, scale),
                                want[start:start + rows])
+
+
+def _a4_float64(x, layer):
+    """W4A8 from its definition: per-row int8 activations times the dequantized weight, in
+    float64 (every product and group sum exact), rounded once to float32."""
+    q, xs = quantize_rows(x)
+    return ((q.double() @ layer.dequantize(torch.float64).T) * xs.double()[:, None]).float()
+
+
+@pytest.mark.parametrize("n,k,group,asym,half", [
+    (96, 256, 32, True, True), (37, 576, 32, False, True), (16, 1536, 64, True, False),
+    (9, 64, 32, True, False), (24, 512, 128, False, True), (8, 192, None, True, False),
+    (8, 96, 32, True, True)])
+def test_w4a8_kernel_is_exact_per_group_and_row_independent(n, k, group, asym, half):
+    """W4A8 layers (int4 codes in groups, per-row int8 activations): mtpkit's kernel equals
+    the float64 definition to float32 rounding, whatever the group size, zero points and
+    scale dtype (float16 where exact: the packed form keeps them at 2 bytes), and each row
+    is the same bits whatever rows come with it; the reference off the kernel agrees."""
+    layer = _int_layer(4, group, asym, False, n=n, k=k, seed=n)
+    if half:
+        layer.scale = layer.scale.half().float()
+    layer.act_quant = "int8-token"
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(7, k, generator=g)
+    x[2] = 0
+    x[3, 0] = 1e4
+    want = _a4_float64(x, layer)
+    tol = 2e-6 * want.abs().amax(-1, keepdim=True) + 1e-30
+    ref = a4_reference(x, layer.dequantize())
+    assert ((ref - want).abs() <= tol).all()
+    if not int8_mm_available():
+        pytest.skip("mtpkit's kernels do not build here")
+    assert layer.row_exact
+    packed, scale, zero = layer._pack_a4()
+    assert packed.shape == (n, k // 2) and scale.dtype == (torch.float16 if half
+                                                           else torch.float32)
+    assert layer.weight_bytes == n * k // 2 + scale.numel() * scale.element_size() \
+        + (zero.numel() if asym else 0)
+    got = layer(x)
+    assert ((got - want).abs() <= tol).all()
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    for rows in range(1, 8):
+        for start in range(0, 8 - rows, 3):
+            assert torch.equal(layer(x[start:start + rows]), got[start:start + rows])
+    other = layer(torch.cat([x[:1], -3 * x[1:]]))
+    assert torch.equal(other[0], got[0])
+    with pytest.raises(RuntimeError, match="32 or a multiple of 64"):
+        torch.ops.mtpkit.int4_a8_mm(x, packed, scale, zero, 96)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.mtpkit.int4_a8_mm(x.double(), packed, scale, zero, group or k)
 
 
 def test_int8_layer_without_the_hand_kernel_uses_torchs(monkeypatch):
@@ -618,40 +674,60 @@ def test_verification_rows_equal_decode_steps_bit_for_bit(tmp_path):
     assert torch.equal(one, four)
 
 
-def test_w8a8_checkpoint_declares_and_runs_per_token_activations(checkpoint_factory, tmp_path):
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+def test_a8_checkpoint_declares_and_runs_per_token_activations(checkpoint_factory, tmp_path,
+                                                                scheme):
     """`--scheme w8a8` writes llm-compressor's W8A8 layout (int8 weights, dynamic per-token
-    int8 activations), which compressed-tensors validates and decompresses to what mtpkit
-    runs, and the loaded layers quantize their inputs as declared."""
+    int8 activations), `--scheme w4a8` its W4A8 one (int4 weights packed in groups, here of
+    32 with zero points, float16 scales); compressed-tensors validates and decompresses
+    both to what mtpkit runs, and the loaded layers quantize their inputs as declared."""
     from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import (
+        PackedQuantizationCompressor,
+    )
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
     src = checkpoint_factory("llama")
     out = tmp_path / "q"
-    _quantize(src, out, "--scheme", "w8a8")
+    _quantize(src, out, "--scheme", scheme, *(["--asymmetric"] if scheme == "w4a8" else []))
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     group = QuantizationConfig.model_validate(qcfg).config_groups["group_0"]
-    preset = preset_name_to_scheme("W8A8", ["Linear"])
+    preset = preset_name_to_scheme(scheme.upper(), ["Linear"])
     assert group.input_activations == preset.input_activations
-    assert group.weights == preset.weights and qcfg["format"] == "int-quantized"
+    if scheme == "w8a8":
+        assert group.weights == preset.weights and qcfg["format"] == "int-quantized"
+    else:
+        w = group.weights
+        assert (w.num_bits, w.type, w.strategy, w.group_size, w.symmetric) == \
+            (4, "int", "group", 32, False)
+        assert qcfg["format"] == "pack-quantized"
     q, notes = _load(out)
     layers = {n: m for n, m in q.model.named_modules() if isinstance(m, QuantLinear)}
     assert layers and all(m.act_quant == "int8-token" for m in layers.values())
     tensors = load_file(next(out.glob("*.safetensors")))
     name = "model.layers.0.mlp.down_proj"
-    theirs = IntQuantizationCompressor.decompress(
-        {k.split(".")[-1]: v for k, v in tensors.items() if k.startswith(name + ".")}, group
-    )["weight"]
+    mine = {k.split(".")[-1]: v for k, v in tensors.items() if k.startswith(name + ".")}
+    compressor = IntQuantizationCompressor if scheme == "w8a8" else PackedQuantizationCompressor
+    theirs = compressor.decompress(mine, group)["weight"]
     layer = layers[name]
-    assert torch.allclose(layer.dequantize(), theirs.float(), atol=1e-6)
+    # compressed-tensors dequantizes in the scales' dtype (float16 for w4a8): the exact
+    # float32 weight rounds to its values.
+    assert torch.allclose(layer.dequantize().to(theirs.dtype).float(), theirs.float(),
+                          atol=1e-6)
     x = torch.randn(3, layer.in_features)
-    assert torch.equal(layer(x), _a8_float64(x, layer.codes, layer.scale[:, 0]))
+    if scheme == "w8a8":
+        assert torch.equal(layer(x), _a8_float64(x, layer.codes, layer.scale[:, 0]))
+    else:
+        assert mine["weight_scale"].dtype == torch.float16
+        want = _a4_float64(x, layer)
+        assert (layer(x) - want).abs().max() <= 2e-6 * want.abs().max()
     from mtpkit.bench.cli import _precision
 
-    assert _precision(q.model) == "w8a8"
+    assert _precision(q.model) == scheme
 
 
 @pytest.mark.parametrize("fam", ["llama_tied", "llama"])
-@pytest.mark.parametrize("scheme", ["w8a8", "w8a16"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w8a16", "w4a8"])
 def test_lm_head_same_quantizes_the_lm_head(checkpoint_factory, tmp_path, fam, scheme,
                                             capsys):
     """`--lm-head same` writes the lm_head in the trunk's scheme, named in the config group
@@ -679,7 +755,7 @@ def test_lm_head_same_quantizes_the_lm_head(checkpoint_factory, tmp_path, fam, s
     q, notes = _load(out)
     assert not [n for n in notes if "unquantized although" in n], notes
     assert isinstance(q.model.lm_head, QuantLinear)
-    assert q.model.lm_head.act_quant == ("int8-token" if scheme == "w8a8" else None)
+    assert q.model.lm_head.act_quant == ("int8-token" if scheme.endswith("a8") else None)
     ref = _fake_quant_reference(src, q)
     assert torch.equal(q.model.model.embed_tokens.weight, ref.model.model.embed_tokens.weight)
     ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -711,7 +787,7 @@ def test_lm_head_the_scheme_cannot_take_stays_tied(checkpoint_factory, tmp_path,
 
 
 @pytest.mark.parametrize("scheme", [Scheme("w8a8"), Scheme("w8a16"), Scheme("w4a16", 64),
-                                    Scheme("fp8")])
+                                    Scheme("w4a8", 32), Scheme("fp8")])
 def test_graft_match_reads_the_destinations_scheme(scheme):
     """`graft --mtp-precision match` writes the head in the destination's own scheme (a W8A8
     head written packed, as W8A16, would not match its int-quantized config group)."""

@@ -163,10 +163,10 @@ def weight_bytes(model) -> dict:
                 head += size
         else:
             trunk += size
-    # Quantized linears keep their weights as buffers (codes, scales, zero points).
+    # Quantized linears: the bytes their kernels read (W4A8's packed nibbles, not the
+    # one-byte codes kept beside them).
     def quant_bytes(mod) -> int:
-        return sum(b.numel() * b.element_size() for n, b in mod.named_buffers()
-                   if n != "bias" and b is not None)
+        return mod.weight_bytes
 
     for name, mod in model.named_modules():
         if isinstance(mod, QuantLinear):

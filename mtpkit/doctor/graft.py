@@ -456,7 +456,9 @@ def _ct_scheme(q: dict):
     if kind == "float":
         name = "fp8"
     elif bits == 4:
-        name = "w4a16"
+        acts = groups[0].get("input_activations") or {}
+        name = "w4a8" if acts.get("type") == "int" and int(acts.get("num_bits", 0)) == 8 \
+            else "w4a16"
     elif bits == 8:
         # W8A8 stores int8 weights unpacked (int-quantized); writing the head packed would
         # not match the destination's format.

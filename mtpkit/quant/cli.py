@@ -15,12 +15,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--model", help="HF checkpoint folder (default: the built-in model)")
     p.add_argument("--head", help="an MTP head folder (mtpkit calibrate) to merge in as mtp.*")
-    p.add_argument("--scheme", choices=["w4a16", "w8a16", "w8a8", "fp8"], default="w4a16",
-                   help="weight-only int4/int8/fp8, or w8a8: int8 weights and int8 "
-                        "activations quantized per token at run time (fastest on CPU)")
+    p.add_argument("--scheme", choices=["w4a16", "w4a8", "w8a16", "w8a8", "fp8"],
+                   default="w4a16",
+                   help="weight-only int4/int8/fp8, or w8a8 / w4a8: int8 / int4 weights and "
+                        "int8 activations quantized per token at run time (fastest on CPU)")
     p.add_argument("--group-size", type=int, default=None,
-                   help="w4a16: 32/64/128/256 (default 128); w8a16: default per channel; "
-                        "0 = per channel")
+                   help="w4a16: 32/64/128/256 (default 128); w4a8: the same (default 32); "
+                        "w8a16: default per channel; 0 = per channel")
     p.add_argument("--asymmetric", action="store_true", help="int schemes: with zero points")
     p.add_argument("--mtp", choices=["keep", "same", "w8a16"], default="keep",
                    help="MTP head precision: keep as stored (default; BF16 heads keep their "
@@ -70,7 +71,7 @@ def run(a) -> int:
         return 0
     group = a.group_size
     if group is None:
-        group = 128 if a.scheme == "w4a16" else 0
+        group = {"w4a16": 128, "w4a8": 32}.get(a.scheme, 0)
     scheme = Scheme(a.scheme, group or None, symmetric=not a.asymmetric)
     rep = quantize_checkpoint(model, a.out, scheme, mtp=a.mtp, head=a.head, force=a.force,
                               method=a.method, calib_data=a.calib_data,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.errors import CheckpointError
-from .linear import QuantLinear
+from .linear import QuantLinear, a4_layout
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -295,8 +295,9 @@ def config_covers(module: str, qcfg: dict) -> str | None:
 
 
 def activation_scheme(module: str, qcfg: dict, q: QuantLinear) -> tuple[str | None, str | None]:
-    """How this module's inputs are quantized: ("int8-token", None) for W8A8 int8 with dynamic
-    per-token scales, which mtpkit runs as written; (None, why) for activation schemes it
+    """How this module's inputs are quantized: ("int8-token", None) for int8 with dynamic
+    per-token scales over int8 per-channel (W8A8) or grouped int4 (W4A8) weights, which
+    mtpkit runs as written; (None, why) for activation schemes it
     runs weight-only instead (more precise than the checkpoint asks); (None, None) if none."""
     if str(qcfg.get("quant_method", "")).lower() != "compressed-tensors":
         return None, None
@@ -306,14 +307,17 @@ def activation_scheme(module: str, qcfg: dict, q: QuantLinear) -> tuple[str | No
         return None, None
     if (a.get("type") == "int" and int(a.get("num_bits", 0)) == 8
             and a.get("strategy") == "token" and a.get("dynamic") is True
-            and a.get("symmetric", True) and q.kind == "int" and q.bits == 8
-            and q.group_size is None and q.zero is None and q.perm is None):
+            and a.get("symmetric", True) and q.kind == "int" and q.perm is None
+            and ((q.bits == 8 and q.group_size is None and q.zero is None) or a4_layout(q))):
         return "int8-token", None
     desc = (f"{a.get('type', '?')}{a.get('num_bits', '?')} "
             f"{'dynamic' if a.get('dynamic') else 'static'} {a.get('strategy', '?')} "
             f"{'symmetric' if a.get('symmetric', True) else 'asymmetric'}")
+    what = "fp8" if q.kind == "fp8" else f"int{q.bits}"
+    if q.kind == "int" and q.bits == 4:
+        what += f" (group {q.group_size})" if q.group_size else " (per channel)"
     return None, (f"activation quantization {desc} is not implemented for "
-                  f"{'fp8' if q.kind == 'fp8' else f'int{q.bits}'} weights; these "
+                  f"{what} weights; these "
                   "layers run weight-only, with unquantized activations")
 
 

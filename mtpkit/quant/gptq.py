@@ -91,8 +91,7 @@ def gptq_codes(
             if col % group == 0:
                 g = w1[:, j : j + group] if group <= b1 - col else w[:, col : col + group]
                 s, z = calculate_qparams(g.amin(1), g.amax(1), args)
-                s = s.reshape(n).to(weight.dtype if weight.dtype.is_floating_point
-                                    else torch.float32).float()
+                s = s.reshape(n).to(scheme.scale_dtype(weight.dtype)).float()
                 z = z.reshape(n).to(torch.int32)
                 scales[:, col // group], zeros[:, col // group] = s, z.to(torch.int8)
             q = torch.clamp(torch.round(w1[:, j] / s) + z, lo, hi)

@@ -2,9 +2,9 @@
 
 ``int8_mm_available()`` builds the extension once per source version with the C++ compiler
 torch's inductor also needs (into ``<mtpkit cache>/ext``) and registers
-``torch.ops.mtpkit.int8_mm``, ``int8_a8_mm``, ``attend_rows`` (a step's query rows'
-attention, each row as its own one-row computation, for the compiled path's row-wise
-steps) and ``argmax_rows`` (the compiled steps' greedy pick). Where it cannot (no
+``torch.ops.mtpkit.int8_mm``, ``int8_a8_mm``, ``int4_a8_mm`` (W4A8), ``attend_rows`` (a
+step's query rows' attention, each row as its own one-row computation, for the compiled
+path's row-wise steps) and ``argmax_rows`` (the compiled steps' greedy pick). Where it cannot (no
 compiler, no AVX2, or ``MTPKIT_INT8_KERNEL=library``) it says why once and callers use
 torch's own kernels.
 """
@@ -57,13 +57,15 @@ def _build() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with builder_lock(folder):
         lib = load(name, [str(src) for src in _SOURCES], build_directory=str(folder),
-                   is_python_module=False, extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                   is_python_module=False,
+                   extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
                    extra_ldflags=["-fopenmp"], verbose=False)
     if isinstance(lib, str):  # older torch returns the path instead of loading it
         torch.ops.load_library(lib)
 
     for op in ("mtpkit::int8_mm", "mtpkit::int8_a8_mm"):
         torch.library.register_fake(op)(_fake_mm)
+    torch.library.register_fake("mtpkit::int4_a8_mm")(_fake_a4)
     torch.library.register_fake("mtpkit::attend_rows")(_fake_attend)
     torch.library.register_fake("mtpkit::argmax_rows")(_fake_argmax)
 
@@ -99,6 +101,10 @@ def builder_lock(folder: Path):
 
 
 def _fake_mm(x, w, s):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _fake_a4(x, w, s, z, group):
     return x.new_empty(x.shape[0], w.shape[0])
 
 

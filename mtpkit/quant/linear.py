@@ -9,6 +9,9 @@ form, so there is one set of kernels and one reference dequantization:
 W8A8 layers (``act_quant == "int8-token"``: compressed-tensors int8 weights with dynamic
 per-token int8 activations) also quantize their input, one scale per row, and multiply
 integers exactly (``a8_reference`` defines it; mtpkit's CPU kernel computes the same bits).
+W4A8 layers (int4 codes in groups, ``a4_layout``) quantize their input the same way; each
+group's integer sum is exact and the groups add up in float (``int4_a8_mm``; elsewhere
+``a4_reference``, the same sum in another order).
 
 ``g(k) = k // group_size`` in the order the codes are stored; activation-ordered checkpoints
 (GPTQ ``desc_act``, compressed-tensors ``g_idx``) keep their columns permuted so that groups
@@ -116,12 +119,14 @@ class QuantLinear(nn.Module):
     @property
     def row_exact(self) -> bool:
         """Whether a row's output is the same bits whatever rows are computed with it:
-        true of mtpkit's int8 kernels (and of W8A8 everywhere: exact integer sums)."""
+        true of mtpkit's int8 and W4A8 kernels (and of W8A8 everywhere: exact integer sums)."""
+        on_kernel = self.scale.device.type == "cpu" and int8_mm_available()
+        if self.act_quant is not None and self.bits == 4:
+            return on_kernel
         if self.kind != "int" or self.bits != 8 or self.group_size is not None \
                 or self.zero is not None or self.perm is not None:
             return False
-        return self.act_quant is not None or (self.scale.device.type == "cpu"
-                                              and int8_mm_available())
+        return self.act_quant is not None or on_kernel
 
     def _apply(self, fn, recurse=True):
         # Moves between devices apply; dtype casts do not: codes, zero points and scales keep
@@ -167,7 +172,10 @@ class QuantLinear(nn.Module):
         """Bytes of weight data a forward pass reads (packed codes and scales)."""
         if self.kind == "fp8":
             return self.fp8.numel() + 4 * self.scale.numel()
-        return self.codes.numel() * self.bits // 8 + 4 * self.scale.numel()
+        if self.act_quant is not None and self.bits == 4 and self.scale.device.type == "cpu":
+            return sum(t.numel() * t.element_size() for t in self._prepare("a4", self._pack_a4))
+        zero = 0 if self.zero is None else self.zero.numel()
+        return self.codes.numel() * self.bits // 8 + 4 * self.scale.numel() + zero
 
     # -- forward --------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,6 +244,13 @@ class QuantLinear(nn.Module):
     max_kernel_rows = 256
 
     def _a8(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bits == 4:
+            if x.device.type == "cpu" and int8_mm_available():
+                w, s, z = self._prepare("a4", self._pack_a4)
+                return torch.ops.mtpkit.int4_a8_mm(x.float().contiguous(), w, s, z,
+                                                   self.group_size or self.in_features)
+            return a4_reference(x, self._prepare("a4-float", lambda: self._float_weight(
+                torch.float32)))
         s = self._prepare("a8", lambda: self.scale[:, 0].contiguous())
         if x.device.type == "cpu" and int8_mm_available():
             return torch.ops.mtpkit.int8_a8_mm(x.float().contiguous(), self.codes, s)
@@ -245,6 +260,26 @@ class QuantLinear(nn.Module):
         if key not in self._packed:
             self._packed[key] = build()
         return self._packed[key]
+
+    def _pack_a4(self):
+        # int4_a8_mm's layout (csrc/int8_mm.cpp): u = code + 8 in blocks of 32, each pair of
+        # blocks as 32 bytes (the first block's u in the low nibbles, the second's in the
+        # high), an odd last block as 16 bytes (u[j] low, u[j + 16] high); scales as float16
+        # where that is exact (what mtpkit quantize writes: 2 bytes a group instead of 4),
+        # zero points as stored (none: an empty tensor).
+        n, k = self.codes.shape
+        u = (self.codes.to(torch.int16) + 8).to(torch.uint8)
+        pairs = k // 64
+        body = u[:, : 64 * pairs].reshape(n, pairs, 2, 32)
+        parts = [(body[:, :, 0] | (body[:, :, 1] << 4)).reshape(n, 32 * pairs)]
+        if k % 64:
+            tail = u[:, 64 * pairs:].reshape(n, 2, 16)
+            parts.append(tail[:, 0] | (tail[:, 1] << 4))
+        packed = torch.cat(parts, 1).contiguous()
+        half = self.scale.half()
+        s = half if torch.equal(half.float(), self.scale) else self.scale.contiguous()
+        z = self.zero if self.zero is not None else torch.empty(0, dtype=torch.int8)
+        return packed, s, z
 
     def _pack_int8(self) -> torch.Tensor:
         s = self.scale[:, 0]
@@ -284,6 +319,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), xs
 
 
+def a4_layout(q: QuantLinear) -> bool:
+    """Whether int4 codes can run as W4A8 (int4_a8_mm): groups of 32 columns or a multiple
+    of 64 (per channel: one group of all), no activation-order permutation."""
+    group = q.group_size or q.in_features
+    return (q.kind == "int" and q.bits == 4 and q.perm is None
+            and (group == 32 or group % 64 == 0) and q.in_features % group == 0)
+
+
+def a4_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """W4A8 int4 linear off mtpkit's CPU kernel (CUDA, no AVX2): y = (q @ weight.T) * xs
+    with the weight dequantized to float32, a float GEMM whose rounding depends on the
+    library and the row count (such layers are not row-exact)."""
+    q, xs = quantize_rows(x)
+    return (q.float() @ weight.t()) * xs[:, None]
+
+
 def a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """W8A8 int8 linear: y = (float(q @ codes.T) * xs) * scale, the integer sum exact."""
     q, xs = quantize_rows(x)
@@ -313,19 +364,26 @@ def linear_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
 
 
 def stack_outputs(linears: list[nn.Module]) -> QuantLinear | None:
-    """One row-exact int8 layer computing the outputs of ``linears`` side by side (q/k/v,
-    gate/up): the same bits as each alone, in one kernel call; None where they differ in
-    scheme, input or bias, or are not row-exact."""
+    """One row-exact int8 or W4A8 layer computing the outputs of ``linears`` side by side
+    (q/k/v, gate/up): the same bits as each alone, in one kernel call; None where they
+    differ in scheme, input or bias, or are not row-exact."""
     first = linears[0]
     if not all(isinstance(m, QuantLinear) and m.row_exact for m in linears):
         return None
     if any(m.in_features != first.in_features or m.act_quant != first.act_quant
            or m.dtype != first.dtype or (m.bias is None) != (first.bias is None)
+           or m.bits != first.bits or m.group_size != first.group_size
            for m in linears):
         return None
     bias = None if first.bias is None else torch.cat([m.bias for m in linears])
+    zero = None
+    if any(m.zero is not None for m in linears):
+        # A symmetric layer's zero point is 0: the same weights, so the same bits.
+        zero = torch.cat([torch.zeros_like(m.scale, dtype=torch.int8) if m.zero is None
+                          else m.zero for m in linears])
     out = QuantLinear.from_int(torch.cat([m.codes for m in linears]),
-                               torch.cat([m.scale for m in linears]), None, 8, None, bias=bias)
+                               torch.cat([m.scale for m in linears]), zero, first.bits,
+                               first.group_size, bias=bias)
     out.dtype, out.act_quant = first.dtype, first.act_quant
     return out
 

@@ -7,14 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-SCHEMES = ("w4a16", "w8a16", "w8a8", "fp8")
+SCHEMES = ("w4a16", "w4a8", "w8a16", "w8a8", "fp8")
 
 
 @dataclass(frozen=True)
 class Scheme:
     """``w4a16`` / ``w8a16`` (int weights, symmetric unless told), ``fp8`` (weights only),
-    or ``w8a8`` (int8 weights per channel, int8 activations quantized per token at run time,
-    llm-compressor's W8A8 preset)."""
+    ``w8a8`` (int8 weights per channel, int8 activations quantized per token at run time,
+    llm-compressor's W8A8 preset) or ``w4a8`` (int4 weights in groups, the same int8
+    activations; llm-compressor's W4A8 preset)."""
 
     name: str
     group_size: int | None = None  # None: one scale per output channel
@@ -28,6 +29,9 @@ class Scheme:
                              "(or 0 for one scale per output channel)")
         if self.name in ("fp8", "w8a8") and self.group_size is not None:
             raise ValueError(f"{self.name} uses one scale per output channel; drop --group-size")
+        if self.name == "w4a8" and self.group_size is None:
+            raise ValueError("w4a8 weights are quantized in groups; pass --group-size 32, 64, "
+                             "128 or 256")
         if self.name == "w8a8" and not self.symmetric:
             raise ValueError("w8a8 weights are symmetric (vLLM's int8 W8A8 kernels take no "
                              "weight zero points); drop --asymmetric")
@@ -35,7 +39,7 @@ class Scheme:
     @property
     def bits(self) -> int:
         """Bits per weight."""
-        return 4 if self.name == "w4a16" else 8
+        return 4 if self.name in ("w4a16", "w4a8") else 8
 
     @property
     def format(self) -> str:
@@ -43,11 +47,19 @@ class Scheme:
         return {"fp8": "float-quantized", "w8a8": "int-quantized"}.get(self.name,
                                                                        "pack-quantized")
 
+    def scale_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """The dtype scales are stored (and codes chosen) in: the weight's own, except w4a8's
+        float16, which mtpkit's W4A8 kernel reads at 2 bytes a group (a fp32 source's scales
+        would cost 4: an eighth of the codes' bytes at group 32)."""
+        if self.name == "w4a8":
+            return torch.float16
+        return weight_dtype if weight_dtype.is_floating_point else torch.float32
+
     def input_args(self):
         """The compressed-tensors QuantizationArgs of the activations (None: not quantized)."""
         from compressed_tensors.quantization import QuantizationArgs
 
-        if self.name != "w8a8":
+        if self.name not in ("w8a8", "w4a8"):
             return None
         return QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True,
                                 symmetric=True)
@@ -85,7 +97,7 @@ def quantize_weight(
     scale, zero = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
     # Round the scales to their stored dtype before choosing codes, so the codes are the
     # nearest ones for the scale a reader will actually see.
-    dtype = scale_dtype or (weight.dtype if weight.dtype.is_floating_point else torch.float32)
+    dtype = scale_dtype or scheme.scale_dtype(weight.dtype)
     scale = scale.reshape(n, k // g).to(dtype).float()
     if scheme.name == "fp8":
         scale = scale.reshape(n, 1)

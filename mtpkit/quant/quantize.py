@@ -118,7 +118,7 @@ def quantize_checkpoint(
                 from .gptq import gptq_codes, pack_codes
 
                 codes, scales, zeros = gptq_codes(tensor, hessians.pop(prefix), use)
-                packed = pack_codes(codes, scales, zeros, use, tensor.dtype)
+                packed = pack_codes(codes, scales, zeros, use, use.scale_dtype(tensor.dtype))
             else:
                 packed = quantize_weight(tensor, use)
             for suffix, t in packed.items():
