@@ -247,8 +247,10 @@ class QuantLinear(nn.Module):
         if self.bits == 4:
             if x.device.type == "cpu" and int8_mm_available():
                 w, s, z = self._prepare("a4", self._pack_a4)
-                return torch.ops.mtpkit.int4_a8_mm(x.float().contiguous(), w, s, z,
-                                                   self.group_size or self.in_features)
+                out = torch.ops.mtpkit.int4_a8_mm(x.float().contiguous(), w, s, z,
+                                                  self.group_size or self.in_features)
+                # Columns padded to a multiple of 8 (a draft vocabulary of any size).
+                return out if w.shape[0] == self.out_features else out[:, : self.out_features]
             return a4_reference(x, self._prepare("a4-float", lambda: self._float_weight(
                 torch.float32)))
         s = self._prepare("a8", lambda: self.scale[:, 0].contiguous())
@@ -262,24 +264,29 @@ class QuantLinear(nn.Module):
         return self._packed[key]
 
     def _pack_a4(self):
-        # int4_a8_mm's layout (csrc/int8_mm.cpp): u = code + 8 in blocks of 32, each pair of
-        # blocks as 32 bytes (the first block's u in the low nibbles, the second's in the
-        # high), an odd last block as 16 bytes (u[j] low, u[j + 16] high); scales as float16
-        # where that is exact (what mtpkit quantize writes: 2 bytes a group instead of 4),
-        # zero points as stored (none: an empty tensor).
+        # int4_a8_mm's layout (csrc/int4_a8_mm.cpp): u = code + 8; columns in blocks of 8
+        # (padded with zero scales), each block's codes in chunks of 32 inputs, a chunk as
+        # 4 x 32 bytes whose byte 4c + j holds column c's u[8p + j] (low nibble) and
+        # u[8p + 4 + j] (high); scales and zero points as [N / 8, G, 8]. Scales are float16
+        # where that is exact (what mtpkit quantize writes: 2 bytes a group instead of 4).
         n, k = self.codes.shape
+        n8, g = -(-n // 8) * 8, k // (self.group_size or k)
         u = (self.codes.to(torch.int16) + 8).to(torch.uint8)
-        pairs = k // 64
-        body = u[:, : 64 * pairs].reshape(n, pairs, 2, 32)
-        parts = [(body[:, :, 0] | (body[:, :, 1] << 4)).reshape(n, 32 * pairs)]
-        if k % 64:
-            tail = u[:, 64 * pairs:].reshape(n, 2, 16)
-            parts.append(tail[:, 0] | (tail[:, 1] << 4))
-        packed = torch.cat(parts, 1).contiguous()
-        half = self.scale.half()
-        s = half if torch.equal(half.float(), self.scale) else self.scale.contiguous()
-        z = self.zero if self.zero is not None else torch.empty(0, dtype=torch.int8)
-        return packed, s, z
+        scale, zero = self.scale, self.zero
+        if n8 > n:
+            u = torch.cat([u, u.new_zeros(n8 - n, k)])
+            scale = torch.cat([scale, scale.new_zeros(n8 - n, g)])
+            zero = None if zero is None else torch.cat([zero, zero.new_zeros(n8 - n, g)])
+        v = u.view(n8 // 8, 8, k // 32, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(n8, k // 2).contiguous()
+
+        def blocks(t):
+            return t.view(n8 // 8, 8, g).transpose(1, 2).contiguous()
+
+        half = scale.half()
+        scale = blocks(half if torch.equal(half.float(), scale) else scale)
+        zero = torch.empty(0, dtype=torch.int8) if zero is None else blocks(zero)
+        return packed, scale, zero
 
     def _pack_int8(self) -> torch.Tensor:
         s = self.scale[:, 0]
@@ -320,11 +327,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def a4_layout(q: QuantLinear) -> bool:
-    """Whether int4 codes can run as W4A8 (int4_a8_mm): groups of 32 columns or a multiple
-    of 64 (per channel: one group of all), no activation-order permutation."""
+    """Whether int4 codes can run as W4A8 (int4_a8_mm): groups of a multiple of 32 columns
+    (per channel: one group of all), no activation-order permutation."""
     group = q.group_size or q.in_features
-    return (q.kind == "int" and q.bits == 4 and q.perm is None
-            and (group == 32 or group % 64 == 0) and q.in_features % group == 0)
+    return (q.kind == "int" and q.bits == 4 and q.perm is None and group % 32 == 0
+            and q.in_features % group == 0)
 
 
 def a4_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,190 @@
+// mtpkit::int4_a8_mm(x, packed, scale, zero, group) -> y: W4A8, int4 weights in groups of
+// `group` input columns (a multiple of 32) times int8 activations quantized per row as in
+// int8_a8_mm (xs[m] = max_k |x[m, k]| / 127, q = round_half_even(x / xs)).
+// A weight is w[n, k] = scale[n, g] * (u[n, k] - zu[n, g]) with u in [0, 15] (the signed
+// code + 8) and zu the zero point + 8 (8 for symmetric weights: `zero` empty). Then
+//   y[m, n] = xs[m] * sum_g ( (-scale[n, g] * zu[n, g]) * float(sum_{k in g} q[m, k])
+//                             + scale[n, g] * float(sum_{k in g} u[n, k] q[m, k]) )
+// with both integer sums exact and the float sum over groups in this one order for every
+// output, so a row's result is the same bits whatever rows, threads or columns come with it.
+//
+// Layout (QuantLinear._pack_a4): columns in blocks of 8 (N padded to a multiple of 8), each
+// block's codes in chunks of 32 input columns, a chunk as 4 x 32 bytes; 32 bytes hold
+// sub-blocks 2p and 2p + 1 (k = 8p .. 8p + 7 of the chunk) of all 8 columns, byte 4c + j
+// holding column c's u[8p + j] in its low nibble and u[8p + 4 + j] in its high one.
+// `scale` float16 or float32 and `zero` int8 as [N / 8, G, 8] (a block's 8 columns side by
+// side), or `zero` empty.
+//
+// Why by hand, and why this layout: half the bytes of int8 codes a step, and torch's int4
+// CPU kernel takes bf16 activations and widens codes to floats (docs/quantization.md). With
+// 8 columns across a register, vpmaddubsw multiplies 4 codes of every column by the same 4
+// activations (one broadcast), product pairs add up in int16 over a whole chunk (8 x 2 x 15
+// x 127 < 2^15), and one widening, conversion and FMA per group serve 8 outputs: per row
+// about 2.4 vector operations per 32 codes, where one column at a time took 4 and a
+// horizontal sum per output.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "simd.h"
+
+namespace {
+
+using mtpkit_simd::over_columns;
+using mtpkit_simd::prefetch;
+using mtpkit_simd::quantize_rows;
+
+// Per row and group: the sum of the row's quantized values (the zero-point term's factor).
+void group_sums(const int8_t* q, int64_t M, int64_t K, int64_t group, float* gs) {
+  const int64_t G = K / group;
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < G; g++) {
+      __m256i a = _mm256_setzero_si256();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(q + m * K + k));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xv), ones16));
+      }
+      __m128i v = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1)));
+      gs[m * G + g] = float(_mm_cvtsi128_si32(v));
+    }
+}
+
+inline __m256 load8(const at::Half* s) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
+}
+inline __m256 load8(const float* s) { return _mm256_loadu_ps(s); }
+
+// 4 activations of a row, the same in every 32-bit lane (one per column): a broadcast load,
+// which takes no vector ALU slot (set1 from a register took two).
+inline __m256i bcast4(const int8_t* x) {
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(x)));
+}
+
+// R quantized rows against column blocks [b0, b1) (8 columns each). Not inlined, as in
+// int8_mm.cpp: inside the OpenMP region gcc spills accumulators.
+template <int R, class S>
+__attribute__((noinline)) void a4_rows(const int8_t* q, const float* xs, const float* gs,
+                                       int64_t K, int64_t group, const uint8_t* w, const S* s,
+                                       const int8_t* z, float* y, int64_t N, int64_t b0,
+                                       int64_t b1) {
+  const int64_t G = K / group, chunks = group / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = b0; b < b1; b++) {
+    const uint8_t* wb = w + b * 4 * K;  // 8 columns x K / 2 bytes
+    const S* sb = s + b * G * 8;
+    const int8_t* zb = z ? z + b * G * 8 : nullptr;
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+      const __m256 sv = load8(sb + 8 * g);
+      const __m256 zu = zb ? _mm256_cvtepi32_ps(_mm256_add_epi32(
+                                 _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(zb + 8 * g))),
+                                 _mm256_set1_epi32(8)))
+                           : _mm256_set1_ps(8.f);
+      const __m256 ov = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), sv), zu);
+      __m256i isum[R];
+      for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_fmadd_ps(ov, _mm256_broadcast_ss(gs + r * G + g), acc[r]);
+        isum[r] = _mm256_setzero_si256();
+      }
+      for (int64_t c = g * chunks; c < (g + 1) * chunks; c++) {
+        const uint8_t* wc = wb + 128 * c;
+        prefetch(reinterpret_cast<const int8_t*>(wc));
+        prefetch(reinterpret_cast<const int8_t*>(wc + 64));
+        __m256i p16[R];
+        for (int r = 0; r < R; r++) p16[r] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(wc + 32 * p));
+          const __m256i lo = _mm256_and_si256(v, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; r++) {
+            const int8_t* x = q + r * K + 32 * c + 8 * p;
+            p16[r] = _mm256_add_epi16(p16[r], _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, bcast4(x)), _mm256_maddubs_epi16(hi, bcast4(x + 4))));
+          }
+        }
+        for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], ones));
+      }
+      for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), sv, acc[r]);
+    }
+    for (int r = 0; r < R; r++)
+      _mm256_storeu_ps(y + r * N + 8 * b, _mm256_mul_ps(acc[r], _mm256_set1_ps(xs[r])));
+  }
+}
+
+template <class S>
+void a4_run(const at::Tensor& x, const at::Tensor& w, const S* sp, const int8_t* zp,
+            int64_t group, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / group;
+  // Per-thread scratch, as in int8_a8_mm: tensor allocations per call cost more here.
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> xs, gs;
+  q.resize(M * K);
+  xs.resize(M);
+  gs.resize(M * G);
+  quantize_rows(x.data_ptr<float>(), M, K, q.data(), xs.data());
+  group_sums(q.data(), M, K, group, gs.data());
+  const int8_t* qp = q.data();
+  const float *xsp = xs.data(), *gsp = gs.data();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  over_columns(N, [&](int64_t n0, int64_t n1) {
+    const int64_t b0 = n0 / 8, b1 = n1 / 8;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      a4_rows<4>(qp + m * K, xsp + m, gsp + m * G, K, group, wp, sp, zp, yp + m * N, N, b0, b1);
+    // The rest in one pass, so that the codes stream once (as in int8_a8_mm).
+    switch (M - m) {
+      case 3: a4_rows<3>(qp + m * K, xsp + m, gsp + m * G, K, group, wp, sp, zp, yp + m * N, N, b0, b1); break;
+      case 2: a4_rows<2>(qp + m * K, xsp + m, gsp + m * G, K, group, wp, sp, zp, yp + m * N, N, b0, b1); break;
+      case 1: a4_rows<1>(qp + m * K, xsp + m, gsp + m * G, K, group, wp, sp, zp, yp + m * N, N, b0, b1); break;
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+static at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                             const at::Tensor& z, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && s.dim() == 3,
+              "int4_a8_mm: x [M,K], packed [N,K/2], scale [N/8,G,8]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte &&
+                  (s.scalar_type() == at::kHalf || s.scalar_type() == at::kFloat),
+              "int4_a8_mm: x float32, packed uint8, scale float16 or float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0,
+              "int4_a8_mm: the group must be a multiple of 32 dividing K");
+  TORCH_CHECK(N % 8 == 0 && w.size(1) * 2 == K && s.size(0) * 8 == N && s.size(1) == K / group
+                  && s.size(2) == 8,
+              "int4_a8_mm: shapes differ (N a multiple of 8, packed [N,K/2], scale [N/8,G,8])");
+  TORCH_CHECK(K < (1 << 17), "int4_a8_mm: K >= 2^17 could overflow int32");
+  TORCH_CHECK(z.numel() == 0 || (z.scalar_type() == at::kChar && z.sizes() == s.sizes()),
+              "int4_a8_mm: zero int8 shaped as scale, or empty");
+  at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = s.contiguous(), zc = z.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  const int8_t* zp = zc.numel() ? zc.data_ptr<int8_t>() : nullptr;
+  if (sc.scalar_type() == at::kHalf)
+    a4_run(xc, wc, sc.data_ptr<at::Half>(), zp, group, y);
+  else
+    a4_run(xc, wc, sc.data_ptr<float>(), zp, group, y);
+#else
+  TORCH_CHECK(false, "int4_a8_mm was built without AVX2/FMA");
+#endif
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
+  m.def("int4_a8_mm(Tensor x, Tensor w, Tensor s, Tensor z, int group) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("int4_a8_mm", &int4_a8_mm); }
