@@ -36,6 +36,7 @@
 
 namespace {
 
+using mtpkit_simd::hsum_i32;
 using mtpkit_simd::over_columns;
 using mtpkit_simd::prefetch;
 using mtpkit_simd::quantize_rows;
@@ -51,10 +52,7 @@ void group_sums(const int8_t* q, int64_t M, int64_t K, int64_t group, float* gs)
         const __m256i xv = _mm256_loadu_si256((const __m256i*)(q + m * K + k));
         a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xv), ones16));
       }
-      __m128i v = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
-      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1)));
-      gs[m * G + g] = float(_mm_cvtsi128_si32(v));
+      gs[m * G + g] = float(hsum_i32(a));
     }
 }
 

@@ -38,6 +38,7 @@
 namespace {
 
 using mtpkit_simd::hsum;
+using mtpkit_simd::hsum_i32;
 using mtpkit_simd::over_columns;
 using mtpkit_simd::prefetch;
 using mtpkit_simd::quantize_rows;
@@ -100,10 +101,7 @@ __attribute__((noinline)) void a8_rows(const int8_t* q, const float* xs, int64_t
       }
     }
     for (int r = 0; r < R; r++) {
-      __m128i v = _mm_add_epi32(_mm256_castsi256_si128(a[r]), _mm256_extracti128_si256(a[r], 1));
-      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
-      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1)));
-      int32_t acc = _mm_cvtsi128_si32(v);
+      int32_t acc = hsum_i32(a[r]);
       for (int64_t k = Kv; k < K; k++) acc += int32_t(q[r * K + k]) * int32_t(wn[k]);
       y[r * N + n] = (float(acc) * xs[r]) * s[n];
     }

@@ -20,6 +20,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(q);
 }
 
+// The sum of eight int32 lanes (exact, so any order).
+inline int32_t hsum_i32(__m256i a) {
+  __m128i v = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(v);
+}
+
 // Codes are read once per step, straight from memory; the hardware prefetcher alone leaves
 // one thread at ~9 GB/s here, prefetching this far ahead at ~11.5 (streaming a 28 MB weight,
 // one row). Addresses past the weight's end are harmless (a prefetch never faults).
