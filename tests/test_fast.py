@@ -306,6 +306,30 @@ def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines, 
     assert res.metrics.num_draft_tokens > 2 * res.metrics.num_drafts
 
 
+def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path):
+    """Ahead-of-time programs of a W4A8 trunk call mtpkit's kernels through their C entry
+    points (no boxed dispatch per call) and decode, with and without MTP, the eager
+    engine's tokens."""
+    import zipfile
+
+    engine = quantized_engines["w4a8-lm"]
+    dec = FastDecoder(engine.model, backend="aoti", mode="default", max_len=128,
+                      cache_dir=tmp_path)
+    for prompt in PROMPTS[:2]:
+        want, _ = _eager(engine, prompt, 0)
+        assert _fast(dec, prompt, 0)[0] == want
+        assert _fast(dec, prompt, 1)[0] == want
+    packages = sorted(tmp_path.glob("*.pt2"))
+    assert len(packages) == 2  # decode, round at k = 1
+    for package in packages:
+        with zipfile.ZipFile(package) as z:
+            wrapper = "".join(z.read(n).decode() for n in z.namelist()
+                              if n.endswith(".wrapper.cpp"))
+        for op in ("int4_a8_mm", "attend_rows", "argmax_rows"):
+            assert f"aoti_torch_cpu_{op}(" in wrapper, (package.name, op)
+        assert "call_function(" not in wrapper  # the proxy executor's boxed calls
+
+
 def test_program_keys_tell_w8a8_from_w8a16(quantized_engines):
     """W8A8 and W8A16 copies of one model hold the same int8 codes and scales; their
     compiled programs differ (activations quantized or not) and must not share a key."""

@@ -53,7 +53,7 @@ from torch import nn
 
 from ..models.attention import Attention
 from ..models.layers import MLP, PreNormDecoderLayer, Rotary
-from ..quant.kernels import argmax_rows, int8_mm_available, kernel_choice
+from ..quant.kernels import aoti_c_shims, argmax_rows, int8_mm_available, kernel_choice
 from ..quant.kernels import source_digest as kernel_source_digest
 from ..quant.linear import QuantLinear, linear_rows, stack_outputs
 from .generate import Result, emit
@@ -598,11 +598,10 @@ class FastDecoder:
     def _aoti(self, step, kind: str, t: int, k: int, example):
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.programs)
-        shapes = f"T={t},L={self.max_len},dtype={self.kc[0].dtype}"
-        if self.programs.rowwise:
-            # Which int8 kernel the program calls; choosing it also loads mtpkit's, which a
-            # program that calls it needs registered before it is loaded.
-            shapes += f",int8={kernel_choice()}"
+        # Which kernels the program calls (mtpkit's, through their C entry points, or
+        # torch's); choosing also loads mtpkit's, which a program that calls them needs
+        # before it is loaded.
+        shapes = f"T={t},L={self.max_len},dtype={self.kc[0].dtype},int8={kernel_choice()}"
         key = _build_key(self._fingerprint, kind, shapes, k, self.mode)
         path = self.cache_dir / f"{kind}-{key}.pt2"
         if not path.exists():
@@ -619,9 +618,10 @@ class FastDecoder:
             fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
             os.close(fd)
             try:
-                torch._inductor.aoti_compile_and_package(
-                    ep, package_path=tmp,
-                    inductor_configs=_inductor_configs(self.mode, self.programs.rowwise))
+                configs = _inductor_configs(self.mode, self.programs.rowwise)
+                configs["aot_inductor.custom_ops_to_c_shims"] = aoti_c_shims()
+                torch._inductor.aoti_compile_and_package(ep, package_path=tmp,
+                                                         inductor_configs=configs)
                 os.replace(tmp, path)  # atomic: a concurrent run sees all or nothing
             finally:
                 if os.path.exists(tmp):

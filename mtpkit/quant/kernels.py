@@ -12,6 +12,7 @@ torch's own kernels.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
 import platform
@@ -23,7 +24,7 @@ import torch
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "int4_a8_mm.cpp", _CSRC / "attend_rows.cpp",
             _CSRC / "argmax_rows.cpp")
-_HEADERS = (_CSRC / "simd.h",)  # included by them
+_HEADERS = (_CSRC / "simd.h", _CSRC / "aoti_shim.h")  # included by them
 _state: dict = {}  # "ok": bool, "why": str, once per process
 
 
@@ -63,6 +64,11 @@ def _build() -> None:
                    extra_ldflags=["-fopenmp"], verbose=False)
     if isinstance(lib, str):  # older torch returns the path instead of loading it
         torch.ops.load_library(lib)
+    # Compiled programs call the kernels' C entry points (aoti_c_shims) by name; the loader
+    # resolves a program's undefined symbols in the global scope only, and torch loaded the
+    # library privately (RTLD_LOCAL). Reopening it global makes its symbols visible.
+    _state["lib"] = ctypes.CDLL(str(folder / f"{name}.so"),
+                                mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD | os.RTLD_NOW)
 
     for op in ("mtpkit::int8_mm", "mtpkit::int8_a8_mm"):
         torch.library.register_fake(op)(_fake_mm)
@@ -115,6 +121,27 @@ def _fake_attend(q, k, v, pos, rows):
 
 def _fake_argmax(x):
     return x.new_empty(x.shape[0], dtype=torch.long)
+
+
+# Each op's C entry point (csrc/aoti_shim.h): parameters in schema order, then the output.
+_C_SHIM_PARAMS = {
+    "int8_mm": "AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s",
+    "int8_a8_mm": "AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s",
+    "int4_a8_mm": ("AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, "
+                   "AtenTensorHandle z, int64_t group"),
+    "attend_rows": ("AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
+                    "AtenTensorHandle pos, int64_t rows"),
+    "argmax_rows": "AtenTensorHandle x",
+}
+
+
+def aoti_c_shims() -> dict:
+    """``aot_inductor.custom_ops_to_c_shims`` for mtpkit's ops (empty where they are off)."""
+    if not int8_mm_available():
+        return {}
+    return {getattr(torch.ops.mtpkit, name).default:
+            [f"AOTITorchError aoti_torch_cpu_{name}({params}, AtenTensorHandle* ret0)"]
+            for name, params in _C_SHIM_PARAMS.items()}
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "aoti_shim.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -94,3 +96,7 @@ static at::Tensor argmax_rows(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(mtpkit, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
 TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+
+MTPKIT_AOTI_SHIM(argmax_rows,
+                 (AtenTensorHandle x, AtenTensorHandle* ret0),
+                 argmax_rows(arg(x)))

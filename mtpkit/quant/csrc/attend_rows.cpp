@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "aoti_shim.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -294,3 +296,7 @@ TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor pos, int rows) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("attend_rows", &attend_rows); }
+
+MTPKIT_AOTI_SHIM(attend_rows,
+                 (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle pos, int64_t rows, AtenTensorHandle* ret0),
+                 attend_rows(arg(q), arg(k), arg(v), arg(pos), rows))

@@ -26,6 +26,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "aoti_shim.h"
+
 #include <cstdint>
 #include <vector>
 
@@ -186,3 +188,7 @@ TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
   m.def("int4_a8_mm(Tensor x, Tensor w, Tensor s, Tensor z, int group) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("int4_a8_mm", &int4_a8_mm); }
+
+MTPKIT_AOTI_SHIM(int4_a8_mm,
+                 (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, AtenTensorHandle z, int64_t group, AtenTensorHandle* ret0),
+                 int4_a8_mm(arg(x), arg(w), arg(s), arg(z), group))

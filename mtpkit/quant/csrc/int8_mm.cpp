@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "aoti_shim.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -186,3 +188,10 @@ TORCH_LIBRARY_IMPL(mtpkit, CPU, m) {
   m.impl("int8_mm", &int8_mm);
   m.impl("int8_a8_mm", &int8_a8_mm);
 }
+
+MTPKIT_AOTI_SHIM(int8_mm,
+                 (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, AtenTensorHandle* ret0),
+                 int8_mm(arg(x), arg(w), arg(s)))
+MTPKIT_AOTI_SHIM(int8_a8_mm,
+                 (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, AtenTensorHandle* ret0),
+                 int8_a8_mm(arg(x), arg(w), arg(s)))
