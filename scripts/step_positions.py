@@ -40,15 +40,13 @@ def main(path: str) -> None:
             line = []
             for mode in ("fixed", "advancing"):
                 times = []
-                for prog, args in ((decode, (one,)), (round_, (two,))):
+                for prog, tokens, bufs in ((decode, one, (dec.kc, dec.vc)),
+                                           (round_, two, (dec.kc, dec.vc, dec.hk, dec.hv))):
                     dec.prefill(prompt, 1)
                     start = time.perf_counter()
                     for i in range(n):
                         at = len(prompt) + (0 if mode == "fixed" else 2 * i)
-                        bufs = (dec.kc, dec.vc) if prog is decode else (dec.kc, dec.vc, dec.hk,
-                                                                      dec.hv)
-                        prog(*args, torch.tensor([at]), *bufs,
-                             dec.span(at + max(SPAN_STEP, 4)))
+                        prog(tokens, torch.tensor([at]), *bufs, dec.span(at + max(SPAN_STEP, 4)))
                     times.append((time.perf_counter() - start) / n * 1e3)
                 line.append(f"{mode}: decode {times[0]:.2f} round {times[1]:.2f} ms")
             first, drafts, _ = dec.prefill(prompt, 1)

@@ -25,7 +25,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "int4_a8_mm.cpp", _CSRC / "attend_rows.cpp",
             _CSRC / "argmax_rows.cpp")
 _HEADERS = (_CSRC / "simd.h", _CSRC / "aoti_shim.h")  # included by them
-_state: dict = {}  # "ok": bool, "why": str, once per process
+_state: dict = {}  # "ok": bool, "why": str, once per process; "lib": the global handle
 
 
 def source_digest() -> str:
@@ -123,25 +123,22 @@ def _fake_argmax(x):
     return x.new_empty(x.shape[0], dtype=torch.long)
 
 
-# Each op's C entry point (csrc/aoti_shim.h): parameters in schema order, then the output.
-_C_SHIM_PARAMS = {
-    "int8_mm": "AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s",
-    "int8_a8_mm": "AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s",
-    "int4_a8_mm": ("AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, "
-                   "AtenTensorHandle z, int64_t group"),
-    "attend_rows": ("AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
-                    "AtenTensorHandle pos, int64_t rows"),
-    "argmax_rows": "AtenTensorHandle x",
-}
+# mtpkit's ops, each with a C entry point (csrc/aoti_shim.h) taking its schema's arguments
+# in order, then the output.
+_OPS = ("int8_mm", "int8_a8_mm", "int4_a8_mm", "attend_rows", "argmax_rows")
+_C_TYPES = {"Tensor": "AtenTensorHandle", "int": "int64_t"}
 
 
 def aoti_c_shims() -> dict:
     """``aot_inductor.custom_ops_to_c_shims`` for mtpkit's ops (empty where they are off)."""
     if not int8_mm_available():
         return {}
-    return {getattr(torch.ops.mtpkit, name).default:
-            [f"AOTITorchError aoti_torch_cpu_{name}({params}, AtenTensorHandle* ret0)"]
-            for name, params in _C_SHIM_PARAMS.items()}
+    shims = {}
+    for name in _OPS:
+        op = getattr(torch.ops.mtpkit, name).default
+        params = "".join(f"{_C_TYPES[str(a.type)]} {a.name}, " for a in op._schema.arguments)
+        shims[op] = [f"AOTITorchError aoti_torch_cpu_{name}({params}AtenTensorHandle* ret0)"]
+    return shims
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -239,7 +239,7 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at
     // come from memory in short per-head streams the hardware prefetcher barely ramps up
     // on: a layer's attention ran at 5-7 GB/s (one thread, 65-513 keys, weights streamed
     // between calls). Each item asks for the keys kAhead items on and its own block's
-    // values, which pass 3 then finds in L2: 20-25% less time a call (docs/benchmarks.md).
+    // values, which pass 3 then finds in L2: 14-25% less time a call (docs/benchmarks.md).
     constexpr int64_t kAhead = 4;
     const auto keys_of = [&](int64_t item) {
       const int64_t j0 = 8 * (item % nb);
