@@ -173,7 +173,7 @@ def test_aoti_programs_are_cached(engine_factory, tmp_path, monkeypatch):
 def quantized_engines(checkpoint_factory, tmp_path_factory):
     """scheme -> Engine of the tiny Llama quantized with it (w8a16 per channel, w4a16 g32,
     w4a8 g32 with zero points; "-lm": the lm_head quantized too, which makes the trunk
-    row-exact)."""
+    row-exact), and "fp32": the same model unquantized (row-exact through f32_mm)."""
     import warnings
 
     from mtpkit.engine.loader import load_model
@@ -191,22 +191,29 @@ def quantized_engines(checkpoint_factory, tmp_path_factory):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             engines[name] = Engine(load_model(out, tokenizer=False).model)
+    engines["fp32"] = Engine(load_model(checkpoint_factory("llama_tied"), tokenizer=False).model)
     return engines
 
 
-@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8-lm", "w8a16-lm", "w4a8-lm"])
+# Schemes whose every trunk GEMM and lm_head is one of mtpkit's row-exact kernels.
+ROW_EXACT = ("w8a8-lm", "w8a16-lm", "w4a8-lm", "fp32")
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8-lm", "w8a16-lm", "w4a8-lm", "fp32"])
 def test_quantized_verify_rows_equal_one_token_steps(scheme, quantized_engines):
-    """On int8/int4 trunks every row of a verification equals, bit for bit, the one-token
-    decode step at its position (the property that makes MTP lossless there); row-exact
-    trunks (lm_head quantized too) take that step as one row, the others as padded two."""
+    """On int8/int4 and fp32 trunks every row of a verification equals, bit for bit, the
+    one-token decode step at its position (the property that makes MTP lossless there);
+    row-exact trunks (lm_head quantized too, or fp32 through f32_mm) take that step as one
+    row, the others as padded two."""
     from mtpkit.quant.linear import QuantLinear
 
     engine = quantized_engines[scheme]
-    assert any(isinstance(m, QuantLinear) for m in engine.model.modules())
+    assert any(isinstance(m, QuantLinear) for m in engine.model.modules()) == (scheme != "fp32")
     assert unsupported_reason(engine.model) is None
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
     pr = dec.programs
-    assert pr.rowwise and pr.row_exact == scheme.endswith("-lm")
+    assert pr.rowwise and pr.row_exact == (scheme in ROW_EXACT)
+    assert pr.float_rows == (scheme == "fp32")
     with torch.inference_mode():
         dec.prefill(PROMPTS[1], 0)
         saved = [b.clone() for b in dec.kc + dec.vc]
@@ -289,11 +296,11 @@ def test_quantized_compiled_programs_stay_exact(quantized_engines, capsys):
         dec.check_draft(QUANT_ROWS)
 
 
-@pytest.mark.parametrize("scheme", ["w8a8-lm", "w4a8-lm"])
+@pytest.mark.parametrize("scheme", ["w8a8-lm", "w4a8-lm", "fp32"])
 def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines, scheme):
-    """Compiled programs of a row-exact trunk (W8A8 or W4A8 with its lm_head quantized:
-    every GEMM one of mtpkit's kernels) decode one row per step and verify k+1 rows per
-    round with the compiled k = 0 tokens at every k, and draft as deep as asked."""
+    """Compiled programs of a row-exact trunk (W8A8 or W4A8 with its lm_head quantized, or
+    fp32: every GEMM one of mtpkit's kernels) decode one row per step and verify k+1 rows
+    per round with the compiled k = 0 tokens at every k, and draft as deep as asked."""
     engine = quantized_engines[scheme]
     dec = FastDecoder(engine.model, backend="inductor", mode="max-autotune", max_len=128)
     assert dec.programs.row_exact and dec.programs.rows is None
@@ -306,13 +313,14 @@ def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines, 
     assert res.metrics.num_draft_tokens > 2 * res.metrics.num_drafts
 
 
-def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path):
-    """Ahead-of-time programs of a W4A8 trunk call mtpkit's kernels through their C entry
-    points (no boxed dispatch per call) and decode, with and without MTP, the eager
+@pytest.mark.parametrize("scheme, gemm", [("w4a8-lm", "int4_a8_mm"), ("fp32", "f32_mm")])
+def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path, scheme, gemm):
+    """Ahead-of-time programs of a W4A8 or fp32 trunk call mtpkit's kernels through their C
+    entry points (no boxed dispatch per call) and decode, with and without MTP, the eager
     engine's tokens."""
     import zipfile
 
-    engine = quantized_engines["w4a8-lm"]
+    engine = quantized_engines[scheme]
     dec = FastDecoder(engine.model, backend="aoti", mode="default", max_len=128,
                       cache_dir=tmp_path)
     for prompt in PROMPTS[:2]:
@@ -325,7 +333,7 @@ def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path)
         with zipfile.ZipFile(package) as z:
             wrapper = "".join(z.read(n).decode() for n in z.namelist()
                               if n.endswith(".wrapper.cpp"))
-        for op in ("int4_a8_mm", "attend_rows", "argmax_rows"):
+        for op in (gemm, "attend_rows", "argmax_rows"):
             assert f"aoti_torch_cpu_{op}(" in wrapper, (package.name, op)
         assert "call_function(" not in wrapper  # the proxy executor's boxed calls
 

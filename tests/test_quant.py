@@ -71,25 +71,35 @@ def test_int_kernels_match_reference(bits, group, asym, perm, rows):
 
 
 @pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's int8 kernel does not build here")
+@pytest.mark.parametrize("op", ["int8_mm", "f32_mm"])
 @pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23)])  # odd shapes hit the tails
-def test_hand_int8_kernel_is_exact_and_row_independent(n, k):
+def test_hand_int8_kernel_is_exact_and_row_independent(n, k, op):
     """fp32-exact against a float64 reference, and each row the same bits whatever the
-    other rows and their number (what lets verification equal decoding)."""
+    other rows and their number (what lets verification equal decoding): int8 codes times
+    a scale (int8_mm), or float32 weights (f32_mm, four rows a pass)."""
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) * 0.05 + 0.01
-    x = torch.randn(5, k, generator=g)
-    got = torch.ops.mtpkit.int8_mm(x, codes, scale)
-    want = (x.double() @ (codes.double() * scale.double()[:, None]).T)
+    x = torch.randn(9, k, generator=g)
+    if op == "int8_mm":
+        args, weight = (codes, scale), codes.double() * scale.double()[:, None]
+    else:
+        args = (codes.float() * scale[:, None],)
+        weight = args[0].double()
+
+    def mm(a):
+        return getattr(torch.ops.mtpkit, op)(a, *args)
+
+    got = mm(x)
+    want = x.double() @ weight.T
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
-    for rows in range(1, 6):
-        for start in range(0, 6 - rows):
-            part = torch.ops.mtpkit.int8_mm(x[start:start + rows].contiguous(), codes, scale)
-            assert torch.equal(part, got[start:start + rows])
-    other = torch.ops.mtpkit.int8_mm(torch.cat([x[:1], -3 * x[1:]]), codes, scale)
+    for rows in range(1, 10):
+        for start in range(0, 10 - rows):
+            assert torch.equal(mm(x[start:start + rows].contiguous()), got[start:start + rows])
+    other = mm(torch.cat([x[:1], -3 * x[1:]]))
     assert torch.equal(other[0], got[0])
     with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.mtpkit.int8_mm(x.double(), codes, scale)
+        mm(x.double())
 
 
 @pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's kernels do not build here")

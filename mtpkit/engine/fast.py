@@ -32,8 +32,9 @@ models are those of the eager engine). On quantized trunks that needs every veri
 equal the one-token step bit for bit, so their steps attend row by row and every trunk step
 has the same QUANT_ROWS rows with shape-chosen GEMM kernels (``Programs.rowwise`` and
 ``Programs.rows``), unless every GEMM of the trunk and the lm_head is row-exact
-(``Programs.row_exact``): then a decode step is one row and a round k+1. Sampling is served
-by the eager engine.
+(``Programs.row_exact``: mtpkit's int8/W4A8 kernels, or ``f32_mm`` for fp32 trunks on a
+CPU): then a decode step is one row and a round k+1. Sampling is served by the eager
+engine.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from ..models.attention import Attention
 from ..models.layers import MLP, PreNormDecoderLayer, Rotary
 from ..quant.kernels import aoti_c_shims, argmax_rows, int8_mm_available, kernel_choice
 from ..quant.kernels import source_digest as kernel_source_digest
-from ..quant.linear import QuantLinear, linear_rows, stack_outputs
+from ..quant.linear import QuantLinear, RowExactLinear, linear_rows, stack_outputs
 from .generate import Result, emit
 
 BACKENDS = ("aoti", "inductor", "eager")
@@ -88,12 +89,26 @@ def row_exact_trunk(model) -> bool:
     return all(isinstance(m, QuantLinear) and m.row_exact for m in mods)
 
 
+def float_row_exact_trunk(model) -> bool:
+    """Whether every Linear of the trunk and the lm_head is an fp32 CPU layer that
+    mtpkit's row-exact ``f32_mm`` kernel can run (RowExactLinear)."""
+    mods = [m for m in model.model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    mods.append(model.lm_head)
+    return all(RowExactLinear.fits(m) for m in mods)
+
+
+def _lin(fused: nn.ModuleDict | None, name: str, default: nn.Module) -> nn.Module:
+    # The step's own form of a layer (Programs.fused) where it has one.
+    return fused[name] if fused is not None and name in fused else default
+
+
 # -- the model as functions of (modules, tokens, positions, cache buffers) -----------------
 def _mlp(mlp: MLP, x: torch.Tensor, fused: nn.ModuleDict | None = None) -> torch.Tensor:
     if fused is not None and "gate_up" in fused:
         gate, up = fused["gate_up"](x).chunk(2, dim=-1)
-        return mlp.down_proj(F.silu(gate) * up)
-    return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        return _lin(fused, "down_proj", mlp.down_proj)(F.silu(gate) * up)
+    gate, up = _lin(fused, "gate_proj", mlp.gate_proj)(x), _lin(fused, "up_proj", mlp.up_proj)(x)
+    return _lin(fused, "down_proj", mlp.down_proj)(F.silu(gate) * up)
 
 
 def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
@@ -106,7 +121,8 @@ def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
     if fused is not None and "qkv" in fused:
         q, k, v = fused["qkv"](x).split([attn.q_proj.out_features, nkv * hd, nkv * hd], -1)
     else:
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q, k, v = (_lin(fused, name, getattr(attn, name))(x)
+                   for name in ("q_proj", "k_proj", "v_proj"))
     gate = None
     if attn.output_gate:
         q, gate = q.reshape(b, t, nh, 2 * hd).chunk(2, dim=-1)
@@ -136,20 +152,20 @@ def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
         # a one-token step makes, all rows in one call; a third of torch's SDPA time for a
         # row here. Rows past ``rows`` are padding and copy the last. Out [T, H, D].
         out = torch.ops.mtpkit.attend_rows(q[0].transpose(0, 1), keys[0], values[0], pos, rows)
-        return _out_proj(attn, out.view(b, t, nh * hd), gate)
+        return _out_proj(attn, out.view(b, t, nh * hd), gate, fused)
     else:
         # As above through torch's SDPA (mask rows j, j+t, .. are row j's).
         outs = [F.scaled_dot_product_attention(q[:, :, j : j + 1].reshape(b, nkv, g, hd), keys,
                                                values, attn_mask=mask[j::t]).reshape(b, nh, 1, hd)
                 for j in range(rows)]
         out = torch.cat(outs + outs[-1:] * (t - rows), dim=2)
-    return _out_proj(attn, out.transpose(1, 2).reshape(b, t, nh * hd), gate)
+    return _out_proj(attn, out.transpose(1, 2).reshape(b, t, nh * hd), gate, fused)
 
 
-def _out_proj(attn, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+def _out_proj(attn, out: torch.Tensor, gate: torch.Tensor | None, fused=None) -> torch.Tensor:
     if gate is not None:
         out = out * torch.sigmoid(gate)
-    return attn.o_proj(out)
+    return _lin(fused, "o_proj", attn.o_proj)(out)
 
 
 def _row_kernel(q: torch.Tensor, kbuf: torch.Tensor) -> bool:
@@ -193,7 +209,13 @@ class Programs(nn.Module):
         # (SmolLM2 w8a16 compiled, k=3: 7/12 prompts identical batched with autotuned GEMM
         # templates, 8/12 row by row with templates, 12/12 row by row with library GEMMs).
         quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        self.rowwise = bool(quantized)
+        # fp32 trunks on a CPU where mtpkit's kernels build are row-exact too: their GEMMs
+        # go through f32_mm (RowExactLinear), so they take the row-exact path below: one-row
+        # decode, k+1-row rounds, row-wise attention. Against inductor's two-row GEMM
+        # templates and torch's SDPA, SmolLM2 fp32 in turns: decode 13.4-14.2 -> 11.8-11.9
+        # ms, verify 4 rows 14.0-14.6 -> 12.3-12.4 (docs/benchmarks.md, session 21).
+        self.float_rows = not quantized and float_row_exact_trunk(model)
+        self.rowwise = bool(quantized) or self.float_rows
         # They also run every trunk step with the same number of rows (decode and rounds
         # padded to QUANT_ROWS), so that each GEMM is the same shape-chosen kernel in every
         # program and a row's result does not depend on which step computes it. That lets
@@ -205,14 +227,22 @@ class Programs(nn.Module):
         # those compute a row the same whatever rows come with it (QuantLinear.row_exact),
         # so steps keep their natural row counts (decode 1, a round k+1) and any k is exact.
         # (``mtpkit quantize --lm-head same`` writes such checkpoints.)
-        self.row_exact = bool(quantized) and row_exact_trunk(model)
+        self.row_exact = (bool(quantized) and row_exact_trunk(model)) or self.float_rows
         self.rows = QUANT_ROWS if quantized and not self.row_exact else None
         # Row-exact trunks also run q/k/v and gate/up as one int8 layer each (the same bits
         # as apart, see stack_outputs): 4 kernel calls a layer instead of 7, and one
         # activation quantization where W8A8 made three (SmolLM2 w8a8, one process:
         # decode 14.85 -> 13.56 ms, a k=1 round 24.02 -> 22.30 ms).
         self.fused = None
-        if self.row_exact:
+        self.lm_head = None  # the trunk's lm_head in a step's own form, where it has one
+        if self.float_rows:
+            self.fused = nn.ModuleList(nn.ModuleDict({
+                name: RowExactLinear(getattr(block.self_attn if name[0] in "qkvo" else
+                                             block.mlp, name))
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj")}) for block in model.model.layers)
+            self.lm_head = RowExactLinear(model.lm_head)
+        elif self.row_exact:
             self.fused = nn.ModuleList(nn.ModuleDict({
                 name: layer for name, layer in (
                     ("qkv", stack_outputs([block.self_attn.q_proj, block.self_attn.k_proj,
@@ -261,6 +291,10 @@ class Programs(nn.Module):
                    _mask(pos, _span(span, hk), self.groups))
         return mtp.norm(x), x
 
+    def logits(self, post):
+        """Full-vocabulary fp32 logits of trunk states (a step's greedy picks)."""
+        return self.model.logits(post) if self.lm_head is None else self.lm_head(post).float()
+
     def draft_pick(self, state):
         """Draft token (full-vocabulary id) [1] and its probability [1] for states [1, D]."""
         logits = self.model.logits(state) if self.vocab is None else self.draft_head(state).float()
@@ -292,14 +326,15 @@ class Programs(nn.Module):
         (CPU, max-autotune) picks far better GEMM kernels for two rows than for one
         (SmolLM2 fp32, 2 threads: 18.4 ms for the two-row program against 26.0 ms for one
         row). The copy's cache slot pos + 1 is never read (row 0 sees keys <= pos) and the
-        next step writes its own token there first. Row-exact quantized trunks run one row:
-        their int8 kernels cost in proportion to rows.
+        next step writes its own token there first. Row-exact trunks (mtpkit's kernels, fp32
+        ones included) run one row: those kernels cost in proportion to rows, or stream the
+        weights at the same speed whatever the rows.
         """
         r = self.rows or (1 if self.row_exact else 2)
         tokens = token.expand(1, r)
         post, _ = self.trunk(tokens, pos + torch.arange(r, device=pos.device), kc, vc, span,
                              1 if self.rowwise else None)
-        return argmax_rows(self.model.logits(post[0]))[:1]  # all rows, as verify does
+        return argmax_rows(self.logits(post[0]))[:1]  # all rows, as verify does
 
     def _pad(self, tokens):
         # Quantized trunks: pad a step to QUANT_ROWS rows with copies of its last token (their
@@ -315,7 +350,7 @@ class Programs(nn.Module):
         padded = self._pad(tokens)
         pos = pos0 + torch.arange(padded.shape[1], device=tokens.device)
         post, _ = self.trunk(padded, pos, kc, vc, span, t if self.rowwise else None)
-        return argmax_rows(self.model.logits(post[0]))[:t]
+        return argmax_rows(self.logits(post[0]))[:t]
 
     def draft_step(self, token, state, pos, hk, hv, span):
         """One chained head step [1, 1] at pos [1] and its draft pick (cost tables)."""
@@ -330,7 +365,7 @@ class Programs(nn.Module):
         padded = self._pad(tokens)
         pos = pos0 + torch.arange(padded.shape[1], device=tokens.device)
         post, pre = self.trunk(padded, pos, kc, vc, span, t if self.rowwise else None)
-        target = argmax_rows(self.model.logits(post[0]))[:t]  # [T]
+        target = argmax_rows(self.logits(post[0]))[:t]  # [T]
         post, pre, pos = post[:, :t], pre[:, :t], pos[:t]
         # n = length of the run of drafts equal to the target's choice.
         n = torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)

@@ -2,7 +2,8 @@
 
 ``int8_mm_available()`` builds the extension once per source version with the C++ compiler
 torch's inductor also needs (into ``<mtpkit cache>/ext``) and registers
-``torch.ops.mtpkit.int8_mm``, ``int8_a8_mm``, ``int4_a8_mm`` (W4A8), ``attend_rows`` (a
+``torch.ops.mtpkit.int8_mm``, ``int8_a8_mm``, ``f32_mm`` (the compiled fp32 path's
+row-exact GEMM), ``int4_a8_mm`` (W4A8), ``attend_rows`` (a
 step's query rows' attention, each row as its own one-row computation, for the compiled
 path's row-wise steps) and ``argmax_rows`` (the compiled steps' greedy pick). Where it cannot (no
 compiler, no AVX2, or ``MTPKIT_INT8_KERNEL=library``) it says why once and callers use
@@ -72,6 +73,7 @@ def _build() -> None:
 
     for op in ("mtpkit::int8_mm", "mtpkit::int8_a8_mm"):
         torch.library.register_fake(op)(_fake_mm)
+    torch.library.register_fake("mtpkit::f32_mm")(_fake_f32)
     torch.library.register_fake("mtpkit::int4_a8_mm")(_fake_a4)
     torch.library.register_fake("mtpkit::attend_rows")(_fake_attend)
     torch.library.register_fake("mtpkit::argmax_rows")(_fake_argmax)
@@ -111,6 +113,10 @@ def _fake_mm(x, w, s):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+def _fake_f32(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
 def _fake_a4(x, w, s, z, group):
     return x.new_empty(x.shape[0], w.shape[0])
 
@@ -125,7 +131,7 @@ def _fake_argmax(x):
 
 # mtpkit's ops, each with a C entry point (csrc/aoti_shim.h) taking its schema's arguments
 # in order, then the output.
-_OPS = ("int8_mm", "int8_a8_mm", "int4_a8_mm", "attend_rows", "argmax_rows")
+_OPS = ("int8_mm", "int8_a8_mm", "f32_mm", "int4_a8_mm", "attend_rows", "argmax_rows")
 _C_TYPES = {"Tensor": "AtenTensorHandle", "int": "int64_t"}
 
 

@@ -370,6 +370,39 @@ def linear_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
     return sub
 
 
+class RowExactLinear(nn.Module):
+    """An fp32 Linear through mtpkit's ``f32_mm`` kernel: each output row the same bits
+    whatever rows are computed with it, which the compiled fp32 path needs for exact
+    speculative rounds (engine/fast.py). Shares the wrapped layer's weight (no copy)."""
+
+    row_exact = True
+    # More rows (a prompt) take torch's GEMM, whose blocking reuses each weight across rows:
+    # f32_mm streams the weight once per four rows. Steps never have this many.
+    max_kernel_rows = 16
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N]."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] > self.max_kernel_rows:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.ops.mtpkit.f32_mm(x2.contiguous(), self.weight)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+    @staticmethod
+    def fits(linear: nn.Module) -> bool:
+        """Whether ``linear`` is an fp32 CPU nn.Linear the kernel can run (built here)."""
+        return (type(linear) is nn.Linear and linear.weight.dtype == torch.float32
+                and linear.weight.device.type == "cpu" and int8_mm_available())
+
+
 def stack_outputs(linears: list[nn.Module]) -> QuantLinear | None:
     """One row-exact int8 or W4A8 layer computing the outputs of ``linears`` side by side
     (q/k/v, gate/up): the same bits as each alone, in one kernel call; None where they

@@ -1,12 +1,16 @@
 // mtpkit::int8_mm(x, codes, scale) -> y:  y[m, n] = scale[n] * sum_k x[m, k] * codes[n, k]
 // x float32 [M, K] (contiguous), codes int8 [N, K] (contiguous), scale float32 [N].
+// mtpkit::f32_mm(x, w) -> y = x @ w.T, the same loop over float32 weights [N, K] (no scale).
 //
 // Why by hand: torch's CPU int8 kernel (_weight_int8pack_mm) takes bf16 activations and
 // runs at ~4.2 G codes/s on this machine's 2 AVX2 cores at two rows (weights streamed from
 // memory); its fp32 path is ~10x slower, and inductor's generated dequantize-and-reduce
 // loops reach 0.3-1 GB/s. This loop widens each group of 8 codes to fp32 once and feeds it
 // to an FMA per row (~6.4 G codes/s at two rows, docs/quantization.md), with fp32
-// activations, so it is also more exact.
+// activations, so it is also more exact. f32_mm: the compiled fp32 path's GEMMs. Inductor's
+// CPU GEMM templates and the library sgemm differ per row count in blocking, hence in
+// rounding, so a verified row would not be a decode step's bits; this loop is (and streams
+// weights at the machine's read bandwidth from one row up: ~71 GB/s where a sum read 72-75).
 //
 // Exactness: every output is accumulated in the same order whatever the number of rows,
 // the row's position in the batch, the thread split or the columns around it (rows are
@@ -48,22 +52,25 @@ using mtpkit_simd::quantize_rows;
 inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 
-// R rows of x against output columns [n0, n1), 16 codes per step; two accumulators per
+// R rows of x against output columns [n0, n1), 16 weights per step; two accumulators per
 // row break the FMA dependency chain. Not inlined: inlined into the OpenMP region, gcc 12
 // spills an accumulator to the stack inside the loop (5.5 instead of 8.3 G codes/s).
-template <int R>
-__attribute__((noinline)) void rows_kernel(const float* x, int64_t K, const int8_t* w,
+// W int8 (codes, times s[n]) or float (s null). One prefetch per 64 bytes of weights.
+template <int R, class W>
+__attribute__((noinline)) void rows_kernel(const float* x, int64_t K, const W* w,
                                            const float* s, float* y, int64_t N, int64_t n0,
                                            int64_t n1) {
   const int64_t Kv = K - K % 16;
+  constexpr int64_t kLine = 64 / sizeof(W);
   for (int64_t n = n0; n < n1; n++) {
-    const int8_t* wn = w + n * K;
+    const W* wn = w + n * K;
     __m256 a[R][2];
     for (int r = 0; r < R; r++)
       for (int j = 0; j < 2; j++) a[r][j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < Kv; k += 16) {
-      if ((k & 63) == 0) prefetch(wn + k);
+      if ((k & (kLine - 1)) == 0) prefetch(reinterpret_cast<const int8_t*>(wn + k));
       for (int j = 0; j < 2; j++) {
         const __m256 f = widen8(wn + k + 8 * j);
         for (int r = 0; r < R; r++)
@@ -73,7 +80,7 @@ __attribute__((noinline)) void rows_kernel(const float* x, int64_t K, const int8
     for (int r = 0; r < R; r++) {
       float acc = hsum(_mm256_add_ps(a[r][0], a[r][1]));
       for (int64_t k = Kv; k < K; k++) acc = std::fma(float(wn[k]), x[r * K + k], acc);
-      y[r * N + n] = acc * s[n];
+      y[r * N + n] = s ? acc * s[n] : acc;
     }
   }
 }
@@ -144,6 +151,35 @@ static at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y;
 }
 
+static at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "f32_mm: x [M,K], w [N,K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "f32_mm: x and w float32");
+  at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  over_columns(N, [&](int64_t n0, int64_t n1) {
+    // Up to four rows a pass over the weights (a k=3 verification streams them once);
+    // each row's sums are the same whichever pass computes it.
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) rows_kernel<4>(xp + m * K, K, wp, nullptr, yp + m * N, N, n0, n1);
+    switch (M - m) {
+      case 3: rows_kernel<3>(xp + m * K, K, wp, nullptr, yp + m * N, N, n0, n1); break;
+      case 2: rows_kernel<2>(xp + m * K, K, wp, nullptr, yp + m * N, N, n0, n1); break;
+      case 1: rows_kernel<1>(xp + m * K, K, wp, nullptr, yp + m * N, N, n0, n1); break;
+    }
+  });
+#else
+  TORCH_CHECK(false, "f32_mm was built without AVX2/FMA");
+#endif
+  return y;
+}
+
 static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) {
   check_args("int8_a8_mm", x, w, s);
   TORCH_CHECK(x.size(1) < (1 << 17), "int8_a8_mm: K >= 2^17 could overflow int32");
@@ -183,10 +219,12 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
 TORCH_LIBRARY(mtpkit, m) {
   m.def("int8_mm(Tensor x, Tensor w, Tensor s) -> Tensor");
   m.def("int8_a8_mm(Tensor x, Tensor w, Tensor s) -> Tensor");
+  m.def("f32_mm(Tensor x, Tensor w) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(mtpkit, CPU, m) {
   m.impl("int8_mm", &int8_mm);
   m.impl("int8_a8_mm", &int8_a8_mm);
+  m.impl("f32_mm", &f32_mm);
 }
 
 MTPKIT_AOTI_SHIM(int8_mm,
@@ -195,3 +233,5 @@ MTPKIT_AOTI_SHIM(int8_mm,
 MTPKIT_AOTI_SHIM(int8_a8_mm,
                  (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, AtenTensorHandle* ret0),
                  int8_a8_mm(arg(x), arg(w), arg(s)))
+MTPKIT_AOTI_SHIM(f32_mm, (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0),
+                 f32_mm(arg(x), arg(w)))
