@@ -81,20 +81,22 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+def _trunk_linears(model) -> list[nn.Module]:
+    # Every Linear a trunk step runs: the layers' and the lm_head.
+    mods = [m for m in model.model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    return mods + [model.lm_head]
+
+
 def row_exact_trunk(model) -> bool:
     """Whether every Linear of the trunk and the lm_head computes each row independently of
     the rows around it, bit for bit (mtpkit's int8 kernels; see QuantLinear.row_exact)."""
-    mods = [m for m in model.model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
-    mods.append(model.lm_head)
-    return all(isinstance(m, QuantLinear) and m.row_exact for m in mods)
+    return all(isinstance(m, QuantLinear) and m.row_exact for m in _trunk_linears(model))
 
 
 def float_row_exact_trunk(model) -> bool:
     """Whether every Linear of the trunk and the lm_head is an fp32 CPU layer that
     mtpkit's row-exact ``f32_mm`` kernel can run (RowExactLinear)."""
-    mods = [m for m in model.model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
-    mods.append(model.lm_head)
-    return all(RowExactLinear.fits(m) for m in mods)
+    return all(RowExactLinear.fits(m) for m in _trunk_linears(model))
 
 
 def _lin(fused: nn.ModuleDict | None, name: str, default: nn.Module) -> nn.Module:

@@ -71,10 +71,8 @@ def _build() -> None:
     _state["lib"] = ctypes.CDLL(str(folder / f"{name}.so"),
                                 mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD | os.RTLD_NOW)
 
-    for op in ("mtpkit::int8_mm", "mtpkit::int8_a8_mm"):
-        torch.library.register_fake(op)(_fake_mm)
-    torch.library.register_fake("mtpkit::f32_mm")(_fake_f32)
-    torch.library.register_fake("mtpkit::int4_a8_mm")(_fake_a4)
+    for op in ("int8_mm", "int8_a8_mm", "f32_mm", "int4_a8_mm"):
+        torch.library.register_fake(f"mtpkit::{op}")(_fake_gemm)
     torch.library.register_fake("mtpkit::attend_rows")(_fake_attend)
     torch.library.register_fake("mtpkit::argmax_rows")(_fake_argmax)
 
@@ -109,15 +107,8 @@ def builder_lock(folder: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _fake_mm(x, w, s):
-    return x.new_empty(x.shape[0], w.shape[0])
-
-
-def _fake_f32(x, w):
-    return x.new_empty(x.shape[0], w.shape[0])
-
-
-def _fake_a4(x, w, s, z, group):
+def _fake_gemm(x, w, *_):
+    # Every GEMM op: x [M, K] against weights with one row per output column -> [M, N].
     return x.new_empty(x.shape[0], w.shape[0])
 
 

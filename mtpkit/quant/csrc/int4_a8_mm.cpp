@@ -40,6 +40,7 @@ namespace {
 
 using mtpkit_simd::hsum_i32;
 using mtpkit_simd::over_columns;
+using mtpkit_simd::over_rows;
 using mtpkit_simd::prefetch;
 using mtpkit_simd::quantize_rows;
 
@@ -139,15 +140,10 @@ void a4_run(const at::Tensor& x, const at::Tensor& w, const S* sp, const int8_t*
   float* yp = y.data_ptr<float>();
   over_columns(N, [&](int64_t n0, int64_t n1) {
     const int64_t b0 = n0 / 8, b1 = n1 / 8;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4)
-      a4_rows<4>(qp + m * K, xsp + m, gsp + m * G, K, group, wp, sp, zp, yp + m * N, N, b0, b1);
-    // The rest in one pass, so that the codes stream once (as in int8_a8_mm).
-    switch (M - m) {
-      case 3: a4_rows<3>(qp + m * K, xsp + m, gsp + m * G, K, group, wp, sp, zp, yp + m * N, N, b0, b1); break;
-      case 2: a4_rows<2>(qp + m * K, xsp + m, gsp + m * G, K, group, wp, sp, zp, yp + m * N, N, b0, b1); break;
-      case 1: a4_rows<1>(qp + m * K, xsp + m, gsp + m * G, K, group, wp, sp, zp, yp + m * N, N, b0, b1); break;
-    }
+    over_rows(M, [&](auto R, int64_t m) {
+      a4_rows<R.value>(qp + m * K, xsp + m, gsp + m * G, K, group, wp, sp, zp, yp + m * N, N,
+                       b0, b1);
+    });
   });
 }
 

@@ -46,6 +46,7 @@ namespace {
 using mtpkit_simd::hsum;
 using mtpkit_simd::hsum_i32;
 using mtpkit_simd::over_columns;
+using mtpkit_simd::over_rows;
 using mtpkit_simd::prefetch;
 using mtpkit_simd::quantize_rows;
 
@@ -164,15 +165,9 @@ static at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w) {
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   over_columns(N, [&](int64_t n0, int64_t n1) {
-    // Up to four rows a pass over the weights (a k=3 verification streams them once);
-    // each row's sums are the same whichever pass computes it.
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) rows_kernel<4>(xp + m * K, K, wp, nullptr, yp + m * N, N, n0, n1);
-    switch (M - m) {
-      case 3: rows_kernel<3>(xp + m * K, K, wp, nullptr, yp + m * N, N, n0, n1); break;
-      case 2: rows_kernel<2>(xp + m * K, K, wp, nullptr, yp + m * N, N, n0, n1); break;
-      case 1: rows_kernel<1>(xp + m * K, K, wp, nullptr, yp + m * N, N, n0, n1); break;
-    }
+    over_rows(M, [&](auto R, int64_t m) {
+      rows_kernel<R.value>(xp + m * K, K, wp, nullptr, yp + m * N, N, n0, n1);
+    });
   });
 #else
   TORCH_CHECK(false, "f32_mm was built without AVX2/FMA");
@@ -200,15 +195,9 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
   const float* sp = sc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   over_columns(N, [&](int64_t n0, int64_t n1) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) a8_rows<4>(qp + m * K, xsp + m, K, wp, sp, yp + m * N, N, n0, n1);
-    // The rest in one pass too: three rows (a k=2 verification) as 2 + 1 streamed the codes
-    // twice (one decode step's GEMMs, SmolLM2 W8A8, in turns: 15.1-16.2 ms, 10.8-11.5 now).
-    switch (M - m) {
-      case 3: a8_rows<3>(qp + m * K, xsp + m, K, wp, sp, yp + m * N, N, n0, n1); break;
-      case 2: a8_rows<2>(qp + m * K, xsp + m, K, wp, sp, yp + m * N, N, n0, n1); break;
-      case 1: a8_rows<1>(qp + m * K, xsp + m, K, wp, sp, yp + m * N, N, n0, n1); break;
-    }
+    over_rows(M, [&](auto R, int64_t m) {
+      a8_rows<R.value>(qp + m * K, xsp + m, K, wp, sp, yp + m * N, N, n0, n1);
+    });
   });
 #else
   TORCH_CHECK(false, "int8_a8_mm was built without AVX2/FMA");
