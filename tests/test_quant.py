@@ -5,6 +5,7 @@ vLLM's ignore rules) with MTP intact and greedy output unchanged by speculation.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 
@@ -20,7 +21,7 @@ from mtpkit.engine.generate import Engine, Result
 from mtpkit.engine.loader import load_model
 from mtpkit.engine.sampling import SamplingParams
 from mtpkit.quant.formats import _gptq, _pack_quantized, _scaled
-from mtpkit.quant.kernels import int8_mm_available
+from mtpkit.quant.kernels import int8_mm_available, kernel_isa
 from mtpkit.quant.linear import QuantLinear, a4_reference, a8_reference, quantize_rows
 from mtpkit.quant.pack import Scheme, _compressor, quantize_weight
 
@@ -72,7 +73,8 @@ def test_int_kernels_match_reference(bits, group, asym, perm, rows):
 
 @pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's int8 kernel does not build here")
 @pytest.mark.parametrize("op", ["int8_mm", "f32_mm"])
-@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23)])  # odd shapes hit the tails
+# odd shapes hit the tails; 2000 columns split over threads
+@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23), (2000, 40)])
 def test_hand_int8_kernel_is_exact_and_row_independent(n, k, op):
     """fp32-exact against a float64 reference, and each row the same bits whatever the
     other rows and their number (what lets verification equal decoding): int8 codes times
@@ -225,7 +227,7 @@ def _a8_float64(x, codes, scale):
     return (acc * xs[:, None]) * scale[None, :]
 
 
-@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23), (16, 1536)])
+@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23), (16, 1536), (3001, 100)])
 def test_w8a8_reference_and_kernel_agree_bit_for_bit(n, k):
     """W8A8 layers: per-row int8 activations times int8 codes, summed exactly, so torch's
     reference and mtpkit's kernel give the same bits for every row, whatever rows are beside
@@ -261,7 +263,7 @@ def _a4_float64(x, layer):
 @pytest.mark.parametrize("n,k,group,asym,half", [
     (96, 256, 32, True, True), (37, 576, 32, False, True), (16, 1536, 64, True, False),
     (9, 64, 32, True, False), (24, 512, 128, False, True), (8, 192, None, True, False),
-    (8, 96, 32, True, True), (13, 96, 96, False, False)])
+    (8, 96, 32, True, True), (13, 96, 96, False, False), (2000, 64, 32, True, True)])
 def test_w4a8_kernel_is_exact_per_group_and_row_independent(n, k, group, asym, half):
     """W4A8 layers (int4 codes in groups, per-row int8 activations): mtpkit's kernel equals
     the float64 definition to float32 rounding, whatever the group size, zero points and
@@ -300,6 +302,54 @@ def test_w4a8_kernel_is_exact_per_group_and_row_independent(n, k, group, asym, h
         torch.ops.mtpkit.int4_a8_mm(x, packed, scale, zero, 48)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.mtpkit.int4_a8_mm(x.double(), packed, scale, zero, group or k)
+
+
+_KERNEL_TESTS = ("hand_int8_kernel or w8a8_reference or w4a8_kernel or row_attention or "
+                 "argmax_rows or stacked_int8")
+
+
+@pytest.mark.skipif(not int8_mm_available() or kernel_isa() != "avx512",
+                    reason="the kernels' AVX-512 form does not build here (their AVX2 form is "
+                           "what every other test runs)")
+def test_kernels_avx2_form_on_an_avx512_host(tmp_path):
+    """On an AVX-512 host the tests above run the kernels' wide form; their AVX2 form (what
+    AVX2-only CPUs run) goes through the same tests in a process that asks for it, and its
+    W8A8 and W4A8 results equal the wide form's bit for bit (exact integer sums in both)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MTPKIT_KERNEL_ISA": "avx2"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          __file__, "-k", _KERNEL_TESTS], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " skipped" not in run.stdout, run.stdout[-2000:]
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 320, generator=g)
+    codes = torch.randint(-128, 128, (1000, 320), generator=g, dtype=torch.int8)
+    scale = torch.rand(1000, generator=g) * 0.05 + 0.01
+    layer = _int_layer(4, 64, True, False, n=1000, k=320, seed=2)
+    layer.act_quant = "int8-token"
+    save_file({"x": x, "codes": codes, "scale": scale}, tmp_path / "in.safetensors")
+    packed, s4, z4 = layer._pack_a4()
+    save_file({"packed": packed, "s4": s4, "z4": z4}, tmp_path / "a4.safetensors")
+    script = (
+        "import sys, torch\n"
+        "from safetensors.torch import load_file, save_file\n"
+        "from mtpkit.quant.kernels import int8_mm_available, kernel_isa\n"
+        "assert int8_mm_available() and kernel_isa() == 'avx2'\n"
+        "d = sys.argv[1]\n"
+        "t, a = load_file(d + '/in.safetensors'), load_file(d + '/a4.safetensors')\n"
+        "a8 = torch.ops.mtpkit.int8_a8_mm(t['x'], t['codes'], t['scale'])\n"
+        "a4 = torch.ops.mtpkit.int4_a8_mm(t['x'], a['packed'], a['s4'], a['z4'], 64)\n"
+        "save_file({'a8': a8, 'a4': a4}, d + '/out.safetensors')\n")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    narrow = load_file(tmp_path / "out.safetensors")
+    assert torch.equal(narrow["a8"], torch.ops.mtpkit.int8_a8_mm(x, codes, scale))
+    assert torch.equal(narrow["a4"], torch.ops.mtpkit.int4_a8_mm(x, packed, s4, z4, 64))
 
 
 def test_int8_layer_without_the_hand_kernel_uses_torchs(monkeypatch):

@@ -47,6 +47,29 @@ def _unsupported() -> str | None:
     return None
 
 
+# AVX-512 with VNNI (Zen 4/5, Ice Lake and later): the kernels' wider paths, chosen at build
+# time by the host's flags since the extension is built where it runs. MTPKIT_KERNEL_ISA=avx2
+# keeps the AVX2 paths (to compare the two on one machine).
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+# 256-bit vectors where gcc vectorizes on its own: 512-bit loops ran slower on Zen 5 wherever
+# the weights' stream, not the arithmetic, was the bound (csrc/int8_mm.cpp).
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                 "-mprefer-vector-width=256"]
+
+
+def kernel_isa() -> str:
+    """``avx512`` or ``avx2``: which instruction set the kernels are built for here."""
+    if os.environ.get("MTPKIT_KERNEL_ISA", "").lower() == "avx2":
+        return "avx2"
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: the AVX2 paths, which every supported CPU runs
+        return "avx2"
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    return "avx512" if all(f in flags for f in _AVX512) else "avx2"
+
+
 def _build() -> None:
     from torch.utils.cpp_extension import load
 
@@ -55,13 +78,15 @@ def _build() -> None:
     # Named apart from the folders of mtpkit versions before ``builder_lock``: a process of
     # such a version builds without the flock, and a newer one would take its live lock for
     # a stale one (two ninjas in one folder corrupt its deps log: every later load rebuilds).
-    name = f"mtpkit_kernels_{source_digest()}"
+    isa = kernel_isa()
+    name = f"mtpkit_kernels_{source_digest()}_{isa}"
     folder = cache_dir() / "ext" / name
     folder.mkdir(parents=True, exist_ok=True)
     with builder_lock(folder):
         lib = load(name, [str(src) for src in _SOURCES], build_directory=str(folder),
                    is_python_module=False,
-                   extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                   extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+                   + (_AVX512_FLAGS if isa == "avx512" else []),
                    extra_ldflags=["-fopenmp"], verbose=False)
     if isinstance(lib, str):  # older torch returns the path instead of loading it
         torch.ops.load_library(lib)

@@ -22,6 +22,8 @@
 // x 127 < 2^15), and one widening, conversion and FMA per group serve 8 outputs: per row
 // about 2.4 vector operations per 32 codes, where one column at a time took 4 and a
 // horizontal sum per output.
+// Built with AVX-512 VNNI (kernels.py), vpdpbusd takes the place of vpmaddubsw and the int16
+// and int32 adds: 1.2 operations per 32 codes a row, the same exact integer sums.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -78,7 +80,8 @@ __attribute__((noinline)) void a4_rows(const int8_t* q, const float* xs, const f
                                        const int8_t* z, float* y, int64_t N, int64_t b0,
                                        int64_t b1) {
   const int64_t G = K / group, chunks = group / 32;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // the AVX2 form's pair sums
   for (int64_t b = b0; b < b1; b++) {
     const uint8_t* wb = w + b * 4 * K;  // 8 columns x K / 2 bytes
     const S* sb = s + b * G * 8;
@@ -101,6 +104,21 @@ __attribute__((noinline)) void a4_rows(const int8_t* q, const float* xs, const f
         const uint8_t* wc = wb + 128 * c;
         prefetch(reinterpret_cast<const int8_t*>(wc));
         prefetch(reinterpret_cast<const int8_t*>(wc + 64));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        // vpdpbusd: 4 code-activation products of a column straight into its int32 lane,
+        // one instruction where vpmaddubsw, the int16 add and a share of vpmaddwd were. Its
+        // multiply sits on the accumulator's dependency chain: four chains a row.
+        for (int p = 0; p < 4; p++) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(wc + 32 * p));
+          const __m256i lo = _mm256_and_si256(v, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; r++) {
+            const int8_t* x = q + r * K + 32 * c + 8 * p;
+            isum[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum[r], lo, bcast4(x)), hi,
+                                          bcast4(x + 4));
+          }
+        }
+#else
         __m256i p16[R];
         for (int r = 0; r < R; r++) p16[r] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
@@ -114,6 +132,7 @@ __attribute__((noinline)) void a4_rows(const int8_t* q, const float* xs, const f
           }
         }
         for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], ones));
+#endif
       }
       for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), sv, acc[r]);
     }
