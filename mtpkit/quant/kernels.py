@@ -47,12 +47,13 @@ def _unsupported() -> str | None:
     return None
 
 
-# AVX-512 with VNNI (Zen 4/5, Ice Lake and later): the kernels' wider paths, chosen at build
-# time by the host's flags since the extension is built where it runs. MTPKIT_KERNEL_ISA=avx2
-# keeps the AVX2 paths (to compare the two on one machine).
+# AVX-512 VNNI (Zen 4/5, Ice Lake and later): the W4A8 kernel's vpdpbusd form
+# (csrc/int4_a8_mm.cpp), chosen at build time by the host's flags since the extension is
+# built where it runs. MTPKIT_KERNEL_ISA=avx2 keeps the AVX2 forms (to compare the two on
+# one machine).
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
-# 256-bit vectors where gcc vectorizes on its own: 512-bit loops ran slower on Zen 5 wherever
-# the weights' stream, not the arithmetic, was the bound (csrc/int8_mm.cpp).
+# 256-bit vectors where gcc vectorizes on its own: 512-bit loops ran slower inside the
+# compiled steps on Zen 5 (csrc/int8_mm.cpp's header).
 _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                  "-mprefer-vector-width=256"]
 

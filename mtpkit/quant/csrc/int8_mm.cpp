@@ -26,12 +26,12 @@
 // rows that is fast here (torch._int_mm is the reference); vpmaddubsw multiplies 32 code
 // pairs per instruction where the fp32 kernel above converts and multiplies 8.
 //
-// Instruction sets: int8_a8_mm has an AVX2 form and, where the extension is built with
-// AVX-512 VNNI (kernels.py builds it so on hosts that have it: Zen 4/5, Ice Lake and later),
-// a VNNI one; its sums are exact, so both give the same bits. int8_mm and f32_mm stay AVX2
-// everywhere: a 512-bit form of their loop made the fp32 steps slower on Zen 5 (decode
-// 8.5-8.9 against 8.0-8.3 ms, verify 4 rows 11.9-12.1 against 9.9-10.8, in turns), as a
-// 512-bit one-row W8A8 loop did; their weights stream at the read bandwidth already.
+// Instruction sets: these loops are AVX2 on every host. AVX-512 forms were measured on Zen 5
+// and dropped: 512-bit loops (int8_a8_mm at 2-4 rows, f32_mm) ran faster alone but slower
+// inside the compiled steps (a two-row W8A8 verification 4.5-4.6 ms against 3.6-3.7 in two
+// of three turns; k=1 generation 282-288 tok/s in three of four runs against 341-360; fp32
+// decode 8.5-8.9 against 8.0-8.3 ms), and VNNI on 256-bit vectors (vpdpbusd) gave W8A8 the
+// same step times as vpmaddubsw here. int4_a8_mm.cpp keeps a VNNI form, which pays.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -93,70 +93,6 @@ __attribute__((noinline)) void rows_kernel(const float* x, int64_t K, const W* w
   }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-// One quantized row against columns [n0, n1), AVX-512 VNNI on 256-bit vectors, 32 codes
-// per step. vpdpbusd multiplies unsigned by signed bytes and adds each 4 products into an
-// int32 lane: one instruction for vpmaddubsw, vpmaddwd and vpaddd (|w| times x with w's
-// sign moved onto it, as in the AVX2 loop). A one-row step ran ~5% slower through the
-// 512-bit loop below (SmolLM2 W8A8 decode program, 2.86-2.90 against 3.02-3.11 ms in turns),
-// which is 20-25% faster from two rows up (scripts/gemm_stream.py a8 4).
-__attribute__((noinline)) void a8_row1(const int8_t* q, const float* xs, int64_t K,
-                                       const int8_t* w, const float* s, float* y, int64_t n0,
-                                       int64_t n1) {
-  const int64_t Kv = K - K % 32;
-  for (int64_t n = n0; n < n1; n++) {
-    const int8_t* wn = w + n * K;
-    __m256i a = _mm256_setzero_si256();
-    for (int64_t k = 0; k < Kv; k += 32) {
-      if ((k & 63) == 0) prefetch(wn + k);
-      const __m256i wv = _mm256_loadu_si256((const __m256i*)(wn + k));
-      const __m256i xv = _mm256_loadu_si256((const __m256i*)(q + k));
-      a = _mm256_dpbusd_epi32(a, _mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
-    }
-    int32_t acc = hsum_i32(a);
-    for (int64_t k = Kv; k < K; k++) acc += int32_t(q[k]) * int32_t(wn[k]);
-    y[n] = (float(acc) * xs[0]) * s[n];
-  }
-}
-
-// R quantized rows (two to four) against columns [n0, n1), 64 codes per step in 512-bit
-// vectors. AVX-512 has no vpsignb: w's sign moves onto x by a masked negation (the mask from
-// w, shared by the rows). The last K % 64 codes take one masked step (zeros add nothing).
-template <int R>
-__attribute__((noinline)) void a8_rows(const int8_t* q, const float* xs, int64_t K,
-                                       const int8_t* w, const float* s, float* y, int64_t N,
-                                       int64_t n0, int64_t n1) {
-  const int64_t Kv = K - K % 64;
-  const __mmask64 tail = K % 64 ? (~0ULL >> (64 - K % 64)) : 0;
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t n = n0; n < n1; n++) {
-    const int8_t* wn = w + n * K;
-    __m512i a[R];
-    for (int r = 0; r < R; r++) a[r] = zero;
-    for (int64_t k = 0; k < Kv; k += 64) {
-      prefetch(wn + k);
-      const __m512i wv = _mm512_loadu_si512(wn + k);
-      const __m512i aw = _mm512_abs_epi8(wv);
-      const __mmask64 neg = _mm512_movepi8_mask(wv);
-      for (int r = 0; r < R; r++) {
-        const __m512i xv = _mm512_loadu_si512(q + r * K + k);
-        a[r] = _mm512_dpbusd_epi32(a[r], aw, _mm512_mask_sub_epi8(xv, neg, zero, xv));
-      }
-    }
-    if (tail) {
-      const __m512i wv = _mm512_maskz_loadu_epi8(tail, wn + Kv);
-      const __m512i aw = _mm512_abs_epi8(wv);
-      const __mmask64 neg = _mm512_movepi8_mask(wv);
-      for (int r = 0; r < R; r++) {
-        const __m512i xv = _mm512_maskz_loadu_epi8(tail, q + r * K + Kv);
-        a[r] = _mm512_dpbusd_epi32(a[r], aw, _mm512_mask_sub_epi8(xv, neg, zero, xv));
-      }
-    }
-    for (int r = 0; r < R; r++)
-      y[r * N + n] = (float(_mm512_reduce_add_epi32(a[r])) * xs[r]) * s[n];
-  }
-}
-#else
 // R quantized rows against columns [n0, n1), 32 codes per step. vpmaddubsw wants one
 // unsigned operand: |w| (-128 reads as 128) times x with w's sign moved onto it; pairs of
 // products stay below 2 * 128 * 127 < 2^15, so the int16 step never saturates.
@@ -187,7 +123,6 @@ __attribute__((noinline)) void a8_rows(const int8_t* q, const float* xs, int64_t
     }
   }
 }
-#endif
 
 }  // namespace
 #endif
@@ -267,12 +202,7 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
   float* yp = y.data_ptr<float>();
   over_columns(N, [&](int64_t n0, int64_t n1) {
     over_rows(M, [&](auto R, int64_t m) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      if constexpr (R.value == 1)
-        a8_row1(qp + m * K, xsp + m, K, wp, sp, yp + m * N, n0, n1);
-      else
-#endif
-        a8_rows<R.value>(qp + m * K, xsp + m, K, wp, sp, yp + m * N, N, n0, n1);
+      a8_rows<R.value>(qp + m * K, xsp + m, K, wp, sp, yp + m * N, N, n0, n1);
     });
   });
 #else
