@@ -38,6 +38,13 @@
 
 #include "simd.h"
 
+// Built with AVX-512 VNNI (kernels.py, on hosts that have it): the vpdpbusd inner product.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MTPKIT_VNNI 1
+#else
+#define MTPKIT_VNNI 0
+#endif
+
 namespace {
 
 using mtpkit_simd::hsum_i32;
@@ -81,7 +88,9 @@ __attribute__((noinline)) void a4_rows(const int8_t* q, const float* xs, const f
                                        int64_t b1) {
   const int64_t G = K / group, chunks = group / 32;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // the AVX2 form's pair sums
+#if !MTPKIT_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
   for (int64_t b = b0; b < b1; b++) {
     const uint8_t* wb = w + b * 4 * K;  // 8 columns x K / 2 bytes
     const S* sb = s + b * G * 8;
@@ -104,33 +113,29 @@ __attribute__((noinline)) void a4_rows(const int8_t* q, const float* xs, const f
         const uint8_t* wc = wb + 128 * c;
         prefetch(reinterpret_cast<const int8_t*>(wc));
         prefetch(reinterpret_cast<const int8_t*>(wc + 64));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        // vpdpbusd: 4 code-activation products of a column straight into its int32 lane,
-        // one instruction where vpmaddubsw, the int16 add and a share of vpmaddwd were. Its
-        // multiply sits on the accumulator's dependency chain: four chains a row.
-        for (int p = 0; p < 4; p++) {
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(wc + 32 * p));
-          const __m256i lo = _mm256_and_si256(v, low);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          for (int r = 0; r < R; r++) {
-            const int8_t* x = q + r * K + 32 * c + 8 * p;
-            isum[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum[r], lo, bcast4(x)), hi,
-                                          bcast4(x + 4));
-          }
-        }
-#else
+        // VNNI: vpdpbusd adds 4 code-activation products of a column straight into its
+        // int32 lane, one instruction where vpmaddubsw, the int16 add and a share of
+        // vpmaddwd are. AVX2: product pairs add up in int16 over the chunk, widened once.
+#if !MTPKIT_VNNI
         __m256i p16[R];
         for (int r = 0; r < R; r++) p16[r] = _mm256_setzero_si256();
+#endif
         for (int p = 0; p < 4; p++) {
           const __m256i v = _mm256_loadu_si256((const __m256i*)(wc + 32 * p));
           const __m256i lo = _mm256_and_si256(v, low);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           for (int r = 0; r < R; r++) {
             const int8_t* x = q + r * K + 32 * c + 8 * p;
+#if MTPKIT_VNNI
+            isum[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum[r], lo, bcast4(x)), hi,
+                                          bcast4(x + 4));
+#else
             p16[r] = _mm256_add_epi16(p16[r], _mm256_add_epi16(
                 _mm256_maddubs_epi16(lo, bcast4(x)), _mm256_maddubs_epi16(hi, bcast4(x + 4))));
+#endif
           }
         }
+#if !MTPKIT_VNNI
         for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], ones));
 #endif
       }

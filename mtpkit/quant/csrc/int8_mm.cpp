@@ -93,6 +93,18 @@ __attribute__((noinline)) void rows_kernel(const float* x, int64_t K, const W* w
   }
 }
 
+// x [M, K] against weights [N, K] (times s[n] where s is given): threads over columns,
+// passes of up to four rows over the weights (int8_mm and f32_mm).
+template <class W>
+void rows_gemm(const float* x, const W* w, const float* s, float* y, int64_t M, int64_t K,
+               int64_t N) {
+  over_columns(N, [&](int64_t n0, int64_t n1) {
+    over_rows(M, [&](auto R, int64_t m) {
+      rows_kernel<R.value>(x + m * K, K, w, s, y + m * N, N, n0, n1);
+    });
+  });
+}
+
 // R quantized rows against columns [n0, n1), 32 codes per step. vpmaddubsw wants one
 // unsigned operand: |w| (-128 reads as 128) times x with w's sign moved onto it; pairs of
 // products stay below 2 * 128 * 127 < 2^15, so the int16 step never saturates.
@@ -143,15 +155,8 @@ static at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Te
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
-  const float* xp = xc.data_ptr<float>();
-  const int8_t* wp = wc.data_ptr<int8_t>();
-  const float* sp = sc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  over_columns(N, [&](int64_t n0, int64_t n1) {
-    over_rows(M, [&](auto R, int64_t m) {
-      rows_kernel<R.value>(xp + m * K, K, wp, sp, yp + m * N, N, n0, n1);
-    });
-  });
+  rows_gemm(xc.data_ptr<float>(), wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
+            y.data_ptr<float>(), M, K, N);
 #else
   TORCH_CHECK(false, "int8_mm was built without AVX2/FMA");
 #endif
@@ -167,14 +172,8 @@ static at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  over_columns(N, [&](int64_t n0, int64_t n1) {
-    over_rows(M, [&](auto R, int64_t m) {
-      rows_kernel<R.value>(xp + m * K, K, wp, nullptr, yp + m * N, N, n0, n1);
-    });
-  });
+  rows_gemm(xc.data_ptr<float>(), wc.data_ptr<float>(), nullptr, y.data_ptr<float>(), M, K,
+            N);
 #else
   TORCH_CHECK(false, "f32_mm was built without AVX2/FMA");
 #endif
