@@ -18,7 +18,7 @@ import time
 import torch
 
 from mtpkit.quant.kernels import int8_mm_available
-from mtpkit.quant.linear import QuantLinear
+from mtpkit.quant.linear import QuantLinear, pack_a8
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -37,8 +37,8 @@ def main() -> None:
         ws = [(torch.randn(n, k, generator=g),) for n, k in SHAPES]
     elif kind == "a8":
         op = torch.ops.mtpkit.int8_a8_mm
-        ws = [(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
-               torch.rand(n, generator=g)) for n, k in SHAPES]
+        ws = [pack_a8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+                      torch.rand(n, generator=g)) for n, k in SHAPES]
     else:
         def a4(n, k):
             layer = QuantLinear.from_int(

@@ -22,7 +22,13 @@ from mtpkit.engine.loader import load_model
 from mtpkit.engine.sampling import SamplingParams
 from mtpkit.quant.formats import _gptq, _pack_quantized, _scaled
 from mtpkit.quant.kernels import int8_mm_available, kernel_isa
-from mtpkit.quant.linear import QuantLinear, a4_reference, a8_reference, quantize_rows
+from mtpkit.quant.linear import (
+    QuantLinear,
+    a4_reference,
+    a8_reference,
+    pack_a8,
+    quantize_rows,
+)
 from mtpkit.quant.pack import Scheme, _compressor, quantize_weight
 
 INT_LAYOUTS = [  # (bits, group, asymmetric, act-order permutation)
@@ -245,11 +251,12 @@ def test_w8a8_reference_and_kernel_agree_bit_for_bit(n, k):
     assert q.abs().max() <= 127 and torch.equal(q[2], torch.zeros_like(q[2]))
     if not int8_mm_available():
         pytest.skip("mtpkit's int8 kernel does not build here")
-    assert torch.equal(torch.ops.mtpkit.int8_a8_mm(x, codes, scale), want)
+    packed = pack_a8(codes, scale)
+    assert torch.equal(torch.ops.mtpkit.int8_a8_mm(x, *packed)[:, :n], want)
     for rows in range(1, 8):
         for start in range(0, 8 - rows, 3):
             part = x[start:start + rows].contiguous()
-            assert torch.equal(torch.ops.mtpkit.int8_a8_mm(part, codes, scale),
+            assert torch.equal(torch.ops.mtpkit.int8_a8_mm(part, *packed)[:, :n],
                                want[start:start + rows])
 
 
@@ -333,7 +340,9 @@ def test_kernels_avx2_form_on_an_avx512_host(tmp_path):
     layer.act_quant = "int8-token"
     save_file({"x": x, "codes": codes, "scale": scale}, tmp_path / "in.safetensors")
     packed, s4, z4 = layer._pack_a4()
-    save_file({"packed": packed, "s4": s4, "z4": z4}, tmp_path / "a4.safetensors")
+    w8, s8, c8 = pack_a8(codes, scale)
+    save_file({"packed": packed, "s4": s4, "z4": z4, "w8": w8, "s8": s8, "c8": c8},
+              tmp_path / "a4.safetensors")
     script = (
         "import sys, torch\n"
         "from safetensors.torch import load_file, save_file\n"
@@ -341,14 +350,14 @@ def test_kernels_avx2_form_on_an_avx512_host(tmp_path):
         "assert int8_mm_available() and kernel_isa() == 'avx2'\n"
         "d = sys.argv[1]\n"
         "t, a = load_file(d + '/in.safetensors'), load_file(d + '/a4.safetensors')\n"
-        "a8 = torch.ops.mtpkit.int8_a8_mm(t['x'], t['codes'], t['scale'])\n"
+        "a8 = torch.ops.mtpkit.int8_a8_mm(t['x'], a['w8'], a['s8'], a['c8'])\n"
         "a4 = torch.ops.mtpkit.int4_a8_mm(t['x'], a['packed'], a['s4'], a['z4'], 64)\n"
         "save_file({'a8': a8, 'a4': a4}, d + '/out.safetensors')\n")
     run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     narrow = load_file(tmp_path / "out.safetensors")
-    assert torch.equal(narrow["a8"], torch.ops.mtpkit.int8_a8_mm(x, codes, scale))
+    assert torch.equal(narrow["a8"], torch.ops.mtpkit.int8_a8_mm(x, w8, s8, c8))
     assert torch.equal(narrow["a4"], torch.ops.mtpkit.int4_a8_mm(x, packed, s4, z4, 64))
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "int4_a8_mm.cpp", _CSRC / "attend_rows.cpp",
-            _CSRC / "argmax_rows.cpp")
+_SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "int8_a8_mm.cpp", _CSRC / "int4_a8_mm.cpp",
+            _CSRC / "attend_rows.cpp", _CSRC / "argmax_rows.cpp")
 _HEADERS = (_CSRC / "simd.h", _CSRC / "aoti_shim.h")  # included by them
 _state: dict = {}  # "ok": bool, "why": str, once per process; "lib": the global handle
 

@@ -253,10 +253,11 @@ class QuantLinear(nn.Module):
                 return out if w.shape[0] == self.out_features else out[:, : self.out_features]
             return a4_reference(x, self._prepare("a4-float", lambda: self._float_weight(
                 torch.float32)))
-        s = self._prepare("a8", lambda: self.scale[:, 0].contiguous())
         if x.device.type == "cpu" and int8_mm_available():
-            return torch.ops.mtpkit.int8_a8_mm(x.float().contiguous(), self.codes, s)
-        return a8_reference(x, self.codes, s)
+            w, s, colsum = self._prepare("a8", lambda: pack_a8(self.codes, self.scale[:, 0]))
+            out = torch.ops.mtpkit.int8_a8_mm(x.float().contiguous(), w, s, colsum)
+            return out if w.shape[0] == self.out_features else out[:, : self.out_features]
+        return a8_reference(x, self.codes, self.scale[:, 0])
 
     def _prepare(self, key, build):
         if key not in self._packed:
@@ -324,6 +325,21 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.round(x / safe[:, None]).clamp(-127, 127)
     # An all-zero row (xs == 0) divides by 1 and rounds to zeros.
     return q.to(torch.int8), xs
+
+
+def pack_a8(codes: torch.Tensor, scale: torch.Tensor):
+    """int8_a8_mm's operands for int8 codes [N, K] and per-column scales [N]: the codes in
+    blocks of 16 columns (N padded to 16, K to 4 with zeros), 64 bytes holding 4 inputs of
+    all 16 columns (csrc/int8_a8_mm.cpp), the scales padded alike, and each column's code
+    sum."""
+    n, k = codes.shape
+    n16, k4 = -(-n // 16) * 16, -(-k // 4) * 4
+    padded = torch.zeros(n16, k4, dtype=torch.int8)
+    padded[:n, :k] = codes
+    packed = padded.view(n16 // 16, 16, k4 // 4, 4).transpose(1, 2).reshape(n16, k4)
+    s = torch.zeros(n16, dtype=torch.float32)
+    s[:n] = scale.float()
+    return packed.contiguous(), s, padded.sum(1, dtype=torch.int32)
 
 
 def a4_layout(q: QuantLinear) -> bool:

@@ -47,6 +47,7 @@
 
 namespace {
 
+using mtpkit_simd::bcast4;
 using mtpkit_simd::hsum_i32;
 using mtpkit_simd::over_columns;
 using mtpkit_simd::over_rows;
@@ -72,12 +73,6 @@ inline __m256 load8(const at::Half* s) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
 }
 inline __m256 load8(const float* s) { return _mm256_loadu_ps(s); }
-
-// 4 activations of a row, the same in every 32-bit lane (one per column): a broadcast load,
-// which takes no vector ALU slot (set1 from a register took two).
-inline __m256i bcast4(const int8_t* x) {
-  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(x)));
-}
 
 // R quantized rows against column blocks [b0, b1) (8 columns each). Not inlined, as in
 // int8_mm.cpp: inside the OpenMP region gcc spills accumulators.

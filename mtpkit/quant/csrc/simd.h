@@ -1,5 +1,5 @@
-// Small AVX2 helpers shared by mtpkit's CPU kernels (int8_mm.cpp, int4_a8_mm.cpp,
-// attend_rows.cpp).
+// Small AVX2 helpers shared by mtpkit's CPU kernels (int8_mm.cpp, int8_a8_mm.cpp,
+// int4_a8_mm.cpp, attend_rows.cpp).
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -29,6 +29,13 @@ inline int32_t hsum_i32(__m256i a) {
   return _mm_cvtsi128_si32(v);
 }
 
+// 4 int8 activations of a row, the same in every 32-bit lane (one lane per output column of
+// a block of 8): a broadcast load, which takes no vector ALU slot (set1 from a register took
+// two).
+inline __m256i bcast4(const int8_t* x) {
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(x)));
+}
+
 // Codes are read once per step, straight from memory; the hardware prefetcher alone leaves
 // one thread at ~9 GB/s here, prefetching this far ahead at ~11.5 (streaming a 28 MB weight,
 // one row). Addresses past the weight's end are harmless (a prefetch never faults).
@@ -39,13 +46,17 @@ inline void prefetch(const int8_t* p) {
 
 // Row-wise dynamic quantization (int8_mm.cpp's header): division and rounding as torch does them
 // (IEEE division, round half to even), eight lanes at a time.
-inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* xs) {
+// Row m goes to q + m * ld; flip = 0x80 stores q + 128 as unsigned bytes (vpdpbusd's operand).
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* xs,
+                          int64_t ld = -1, uint8_t flip = 0) {
+  if (ld < 0) ld = K;
+  const __m128i vflip = _mm_set1_epi8(int8_t(flip));
   const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
   const int64_t Kv = K - K % 8;
   for (int64_t m = 0; m < M; m++) {
     const float* xm = x + m * K;
-    int8_t* qm = q + m * K;
+    int8_t* qm = q + m * ld;
     __m256 vmax = _mm256_setzero_ps();
     for (int64_t k = 0; k < Kv; k += 8)
       vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xm + k), no_sign));
@@ -56,7 +67,7 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
     const float sc = amax / 127.f;
     xs[m] = sc;
     if (!(sc > 0.f)) {
-      std::fill(qm, qm + K, int8_t(0));
+      std::fill(qm, qm + K, int8_t(flip));
       continue;
     }
     const __m256 vs = _mm256_set1_ps(sc);
@@ -65,11 +76,11 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m256i i = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, v)));
       const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
-      _mm_storel_epi64((__m128i*)(qm + k), _mm_packs_epi16(w, w));
+      _mm_storel_epi64((__m128i*)(qm + k), _mm_xor_si128(_mm_packs_epi16(w, w), vflip));
     }
     for (int64_t k = Kv; k < K; k++) {
       const float v = std::nearbyint(xm[k] / sc);
-      qm[k] = (int8_t)std::min(127.f, std::max(-127.f, v));
+      qm[k] = int8_t(uint8_t(int8_t(std::min(127.f, std::max(-127.f, v)))) ^ flip);
     }
   }
 }

@@ -1,0 +1,185 @@
+// mtpkit::int8_a8_mm(x, packed, scale, colsum) -> y: the W8A8 scheme (compressed-tensors int8
+// weights with dynamic per-token int8 activations, as vLLM runs it). Each row of x is
+// quantized on its own, xs[m] = max_k |x[m, k]| / 127, q[m, k] = round_half_even(x[m, k] / xs[m]),
+// and
+//   y[m, n] = (float(sum_k q[m, k] * codes[n, k]) * xs[m]) * scale[n]
+// The sum is an exact int32 (|q| <= 127, |codes| <= 128, K < 2^17), so it does not depend on
+// order, rows or threads at all. Why by hand: torch has no CPU int8 x int8 kernel for a few
+// rows that is fast here (torch._int_mm is the reference).
+//
+// Layout (linear.pack_a8): output columns in blocks of 16 (N padded to a multiple of 16 with
+// zero codes and scales), K padded to a multiple of 4 with zeros; a block's codes as K / 4
+// runs of 64 bytes, byte 4c + j of run t holding codes[16b + c, 4t + j]. `colsum` int32 [N16]
+// holds sum_k codes[n, k].
+//
+// Why this layout: with the columns across a register, one broadcast of 4 activations of a
+// row multiplies 4 codes of every column, and the outputs come out side by side (no
+// horizontal sum per output). With AVX-512 VNNI (kernels.py) a 64-byte run is one 512-bit
+// vpdpbusd a row. vpdpbusd wants unsigned activations, so they go in as q + 128 and the sum
+// takes 128 * colsum[n] back off (int32 arithmetic wraps, and the true sum fits, so the
+// result is exact). Measured on Zen 5 (docs/benchmarks.md, session 23): the former layout
+// (one column at a time, vpmaddubsw on |w| and sign-moved activations, 4 vector operations
+// per 32 codes a row and a horizontal sum per output) verified 4 rows of SmolLM2 in 1.4-1.9x
+// a decode step; 8-column blocks with 256-bit vpdpbusd in 1.43-1.48x, and this form in
+// 1.15-1.43x. Unlike the 512-bit forms of the one-column loops (int8_mm.cpp's header), it
+// was not slower inside the compiled steps. AVX2 (no VNNI): a run as two 256-bit halves
+// against one broadcast, with the sign trick (|w| shared by all rows), the same integer sums.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "aoti_shim.h"
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "simd.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MTPKIT_VNNI 1
+#else
+#define MTPKIT_VNNI 0
+#endif
+
+namespace {
+
+using mtpkit_simd::bcast4;
+using mtpkit_simd::over_rows;
+using mtpkit_simd::prefetch;
+using mtpkit_simd::quantize_rows;
+
+// R quantized rows (K4 bytes each; q + 128 under VNNI) against column blocks [b0, b1) of 16.
+// U accumulators a row, taking runs in turn: one vpdpbusd chain would wait on its latency
+// at one row. Not inlined, as in int8_mm.cpp (gcc spills accumulators inside the OpenMP
+// region).
+#if MTPKIT_VNNI
+// A block's 64-byte run in one 512-bit register: one vpdpbusd per run a row.
+template <int R>
+__attribute__((noinline)) void a8_rows(const int8_t* q, const float* xs, int64_t K4,
+                                       const int8_t* w, const float* s, const int32_t* colsum,
+                                       float* y, int64_t N16, int64_t b0, int64_t b1) {
+  constexpr int U = R == 1 ? 4 : 2;
+  const int64_t T = K4 / 4, Tu = T - T % U;
+  for (int64_t b = b0; b < b1; b++) {
+    const int8_t* wb = w + b * 16 * K4;
+    __m512i acc[R][U];
+    for (int r = 0; r < R; r++)
+      for (int u = 0; u < U; u++) acc[r][u] = _mm512_setzero_si512();
+    auto step = [&](int64_t t, int u) {
+      const __m512i wv = _mm512_loadu_si512((const void*)(wb + 64 * t));
+      for (int r = 0; r < R; r++)
+        acc[r][u] = _mm512_dpbusd_epi32(
+            acc[r][u], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(q + r * K4 + 4 * t)), wv);
+    };
+    for (int64_t t = 0; t < Tu; t += U) {
+      for (int u = 0; u < U; u++) prefetch(wb + 64 * (t + u));
+      for (int u = 0; u < U; u++) step(t + u, u);
+    }
+    for (int64_t t = Tu; t < T; t++) step(t, 0);
+    const __m512 sv = _mm512_loadu_ps(s + 16 * b);
+    const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512((const void*)(colsum + 16 * b)), 7);
+    for (int r = 0; r < R; r++) {
+      __m512i a = acc[r][0];
+      for (int u = 1; u < U; u++) a = _mm512_add_epi32(a, acc[r][u]);
+      a = _mm512_sub_epi32(a, off);
+      // (float(sum) * xs) * scale, each product rounded as the scalar definition rounds it.
+      _mm512_storeu_ps(y + r * N16 + 16 * b,
+                       _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(xs[r])), sv));
+    }
+  }
+}
+#else
+// AVX2: a run as two 256-bit halves (8 columns each) against one broadcast; |w| (-128 reads
+// as 128) times x with w's sign moved onto it, pairs of products below 2 * 128 * 127 < 2^15,
+// so vpmaddubsw never saturates.
+template <int R>
+__attribute__((noinline)) void a8_rows(const int8_t* q, const float* xs, int64_t K4,
+                                       const int8_t* w, const float* s, const int32_t* colsum,
+                                       float* y, int64_t N16, int64_t b0, int64_t b1) {
+  const int64_t T = K4 / 4;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = b0; b < b1; b++) {
+    const int8_t* wb = w + b * 16 * K4;
+    __m256i acc[R][2];
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < 2; h++) acc[r][h] = _mm256_setzero_si256();
+    for (int64_t t = 0; t < T; t++) {
+      prefetch(wb + 64 * t);
+      __m256i wv[2], aw[2];
+      for (int h = 0; h < 2; h++) {
+        wv[h] = _mm256_loadu_si256((const __m256i*)(wb + 64 * t + 32 * h));
+        aw[h] = _mm256_abs_epi8(wv[h]);
+      }
+      for (int r = 0; r < R; r++) {
+        const __m256i xb = bcast4(q + r * K4 + 4 * t);
+        for (int h = 0; h < 2; h++) {
+          const __m256i p = _mm256_maddubs_epi16(aw[h], _mm256_sign_epi8(xb, wv[h]));
+          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
+        }
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < 2; h++)
+        _mm256_storeu_ps(y + r * N16 + 16 * b + 8 * h,
+                         _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(xs[r])),
+                                       _mm256_loadu_ps(s + 16 * b + 8 * h)));
+  }
+  (void)colsum;
+}
+#endif
+
+}  // namespace
+#endif
+
+static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                             const at::Tensor& colsum) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && s.dim() == 1 && colsum.dim() == 1,
+              "int8_a8_mm: x [M,K], packed [N16,K4], scale [N16], colsum [N16]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar &&
+                  s.scalar_type() == at::kFloat && colsum.scalar_type() == at::kInt,
+              "int8_a8_mm: x float32, packed int8, scale float32, colsum int32");
+  const int64_t M = x.size(0), K = x.size(1), N16 = w.size(0), K4 = w.size(1);
+  TORCH_CHECK(N16 % 16 == 0 && K4 == (K + 3) / 4 * 4 && s.size(0) == N16 && colsum.size(0) == N16,
+              "int8_a8_mm: shapes differ (packed [N16,K4] with N16 a multiple of 16 and K4 = K "
+              "rounded up to 4, scale and colsum [N16])");
+  TORCH_CHECK(K < (1 << 17), "int8_a8_mm: K >= 2^17 could overflow int32");
+  at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = s.contiguous(), cc = colsum.contiguous();
+  at::Tensor y = at::empty({M, N16}, x.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  // Quantized rows in per-thread scratch rather than tensors: a decode step makes ~120 of
+  // these calls, and two tensor allocations each cost ~0.6 ms a step here.
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> xs;
+  q.resize(M * K4);
+  xs.resize(M);
+  // Rows K4 apart; the padding's bytes meet zero codes, so their values do not matter.
+  // VNNI takes q + 128 as unsigned bytes.
+  quantize_rows(xc.data_ptr<float>(), M, K, q.data(), xs.data(), K4, MTPKIT_VNNI ? 0x80 : 0);
+  const int8_t* qp = q.data();
+  const float* xsp = xs.data();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  const int32_t* cp = cc.data_ptr<int32_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N16 / 16, 2, [&](int64_t b0, int64_t b1) {
+    over_rows(M, [&](auto R, int64_t m) {
+      a8_rows<R.value>(qp + m * K4, xsp + m, K4, wp, sp, cp, yp + m * N16, N16, b0, b1);
+    });
+  });
+#else
+  TORCH_CHECK(false, "int8_a8_mm was built without AVX2/FMA");
+#endif
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
+  m.def("int8_a8_mm(Tensor x, Tensor w, Tensor s, Tensor colsum) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("int8_a8_mm", &int8_a8_mm); }
+
+MTPKIT_AOTI_SHIM(int8_a8_mm,
+                 (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, AtenTensorHandle colsum, AtenTensorHandle* ret0),
+                 int8_a8_mm(arg(x), arg(w), arg(s), arg(colsum)))
