@@ -292,10 +292,10 @@ def test_w4a8_kernel_is_exact_per_group_and_row_independent(n, k, group, asym, h
         pytest.skip("mtpkit's kernels do not build here")
     assert layer.row_exact
     packed, scale, zero = layer._pack_a4()
-    n8 = -(-n // 8) * 8  # columns padded to blocks of 8
-    assert packed.shape == (n8, k // 2) and scale.dtype == (torch.float16 if half
-                                                            else torch.float32)
-    assert layer.weight_bytes == n8 * k // 2 + scale.numel() * scale.element_size() \
+    n16 = -(-n // 16) * 16  # columns padded to blocks of 16
+    assert packed.shape == (n16, k // 2) and scale.dtype == (torch.float16 if half
+                                                             else torch.float32)
+    assert layer.weight_bytes == n16 * k // 2 + scale.numel() * scale.element_size() \
         + (zero.numel() if asym else 0)
     got = layer(x)
     assert ((got - want).abs() <= tol).all()

@@ -249,7 +249,7 @@ class QuantLinear(nn.Module):
                 w, s, z = self._prepare("a4", self._pack_a4)
                 out = torch.ops.mtpkit.int4_a8_mm(x.float().contiguous(), w, s, z,
                                                   self.group_size or self.in_features)
-                # Columns padded to a multiple of 8 (a draft vocabulary of any size).
+                # Columns padded to a multiple of 16 (a draft vocabulary of any size).
                 return out if w.shape[0] == self.out_features else out[:, : self.out_features]
             return a4_reference(x, self._prepare("a4-float", lambda: self._float_weight(
                 torch.float32)))
@@ -265,24 +265,24 @@ class QuantLinear(nn.Module):
         return self._packed[key]
 
     def _pack_a4(self):
-        # int4_a8_mm's layout (csrc/int4_a8_mm.cpp): u = code + 8; columns in blocks of 8
+        # int4_a8_mm's layout (csrc/int4_a8_mm.cpp): u = code + 8; columns in blocks of 16
         # (padded with zero scales), each block's codes in chunks of 32 inputs, a chunk as
-        # 4 x 32 bytes whose byte 4c + j holds column c's u[8p + j] (low nibble) and
-        # u[8p + 4 + j] (high); scales and zero points as [N / 8, G, 8]. Scales are float16
+        # 4 x 64 bytes whose byte 4c + j holds column c's u[8p + j] (low nibble) and
+        # u[8p + 4 + j] (high); scales and zero points as [N / 16, G, 16]. Scales are float16
         # where that is exact (what mtpkit quantize writes: 2 bytes a group instead of 4).
         n, k = self.codes.shape
-        n8, g = -(-n // 8) * 8, k // (self.group_size or k)
+        n16, g = -(-n // 16) * 16, k // (self.group_size or k)
         u = (self.codes.to(torch.int16) + 8).to(torch.uint8)
         scale, zero = self.scale, self.zero
-        if n8 > n:
-            u = torch.cat([u, u.new_zeros(n8 - n, k)])
-            scale = torch.cat([scale, scale.new_zeros(n8 - n, g)])
-            zero = None if zero is None else torch.cat([zero, zero.new_zeros(n8 - n, g)])
-        v = u.view(n8 // 8, 8, k // 32, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
-        packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(n8, k // 2).contiguous()
+        if n16 > n:
+            u = torch.cat([u, u.new_zeros(n16 - n, k)])
+            scale = torch.cat([scale, scale.new_zeros(n16 - n, g)])
+            zero = None if zero is None else torch.cat([zero, zero.new_zeros(n16 - n, g)])
+        v = u.view(n16 // 16, 16, k // 32, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(n16, k // 2).contiguous()
 
         def blocks(t):
-            return t.view(n8 // 8, 8, g).transpose(1, 2).contiguous()
+            return t.view(n16 // 16, 16, g).transpose(1, 2).contiguous()
 
         half = scale.half()
         scale = blocks(half if torch.equal(half.float(), scale) else scale)
