@@ -47,13 +47,14 @@ def _unsupported() -> str | None:
     return None
 
 
-# AVX-512 VNNI (Zen 4/5, Ice Lake and later): the W4A8 kernel's vpdpbusd form
-# (csrc/int4_a8_mm.cpp), chosen at build time by the host's flags since the extension is
-# built where it runs. MTPKIT_KERNEL_ISA=avx2 keeps the AVX2 forms (to compare the two on
-# one machine).
+# AVX-512 VNNI (Zen 4/5, Ice Lake and later): the W8A8 and W4A8 kernels' 512-bit vpdpbusd
+# forms (csrc/int8_a8_mm.cpp, csrc/int4_a8_mm.cpp), chosen at build time by the host's
+# flags since the extension is built where it runs. MTPKIT_KERNEL_ISA=avx2 keeps the AVX2
+# forms (to compare the two on one machine).
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
-# 256-bit vectors where gcc vectorizes on its own: 512-bit loops ran slower inside the
-# compiled steps on Zen 5 (csrc/int8_mm.cpp's header).
+# 256-bit vectors where gcc vectorizes on its own: 512-bit forms of the one-column loops ran
+# slower inside the compiled steps on Zen 5 (csrc/int8_mm.cpp's header); the blocked W8A8
+# and W4A8 loops use 512-bit intrinsics explicitly.
 _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                  "-mprefer-vector-width=256"]
 
