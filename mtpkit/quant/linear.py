@@ -244,19 +244,20 @@ class QuantLinear(nn.Module):
     max_kernel_rows = 256
 
     def _a8(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bits == 4:
-            if x.device.type == "cpu" and int8_mm_available():
+        if x.device.type == "cpu" and int8_mm_available():
+            if self.bits == 4:
                 w, s, z = self._prepare("a4", self._pack_a4)
                 out = torch.ops.mtpkit.int4_a8_mm(x.float().contiguous(), w, s, z,
                                                   self.group_size or self.in_features)
-                # Columns padded to a multiple of 16 (a draft vocabulary of any size).
-                return out if w.shape[0] == self.out_features else out[:, : self.out_features]
+            else:
+                w, s, colsum = self._prepare("a8", lambda: pack_a8(self.codes,
+                                                                   self.scale[:, 0]))
+                out = torch.ops.mtpkit.int8_a8_mm(x.float().contiguous(), w, s, colsum)
+            # Columns padded to a multiple of 16 (a draft vocabulary of any size).
+            return out if w.shape[0] == self.out_features else out[:, : self.out_features]
+        if self.bits == 4:
             return a4_reference(x, self._prepare("a4-float", lambda: self._float_weight(
                 torch.float32)))
-        if x.device.type == "cpu" and int8_mm_available():
-            w, s, colsum = self._prepare("a8", lambda: pack_a8(self.codes, self.scale[:, 0]))
-            out = torch.ops.mtpkit.int8_a8_mm(x.float().contiguous(), w, s, colsum)
-            return out if w.shape[0] == self.out_features else out[:, : self.out_features]
         return a8_reference(x, self.codes, self.scale[:, 0])
 
     def _prepare(self, key, build):

@@ -40,16 +40,11 @@
 
 #include "simd.h"
 
-// Built with AVX-512 VNNI (kernels.py, on hosts that have it): the vpdpbusd inner product.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define MTPKIT_VNNI 1
-#else
-#define MTPKIT_VNNI 0
-#endif
 
 namespace {
 
 using mtpkit_simd::bcast4;
+using mtpkit_simd::over_columns;
 using mtpkit_simd::hsum_i32;
 using mtpkit_simd::over_rows;
 using mtpkit_simd::prefetch;
@@ -69,11 +64,6 @@ void group_sums(const int8_t* q, int64_t M, int64_t K, int64_t group, float* gs)
       gs[m * G + g] = float(hsum_i32(a));
     }
 }
-
-inline __m256 load8(const at::Half* s) {
-  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
-}
-inline __m256 load8(const float* s) { return _mm256_loadu_ps(s); }
 
 #if MTPKIT_VNNI
 inline __m512 load16(const at::Half* s) {
@@ -132,6 +122,10 @@ __attribute__((noinline)) void a4_rows(const int8_t* q, const float* xs, const f
   }
 }
 #else
+inline __m256 load8(const at::Half* s) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
+}
+inline __m256 load8(const float* s) { return _mm256_loadu_ps(s); }
 
 // AVX2: R quantized rows against column blocks [b0, b1) of 16, each as two halves of 8
 // columns (the 32-byte halves of every 64-byte run; the second pass over a block reads it
@@ -208,7 +202,8 @@ void a4_run(const at::Tensor& x, const at::Tensor& w, const S* sp, const int8_t*
   const float *xsp = xs.data(), *gsp = gs.data();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / 16, 2, [&](int64_t b0, int64_t b1) {
+  over_columns<16>(N, [&](int64_t n0, int64_t n1) {
+    const int64_t b0 = n0 / 16, b1 = n1 / 16;
     over_rows(M, [&](auto R, int64_t m) {
       a4_rows<R.value>(qp + m * K, xsp + m, gsp + m * G, K, group, wp, sp, zp, yp + m * N, N,
                        b0, b1);

@@ -38,15 +38,10 @@
 
 #include "simd.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define MTPKIT_VNNI 1
-#else
-#define MTPKIT_VNNI 0
-#endif
-
 namespace {
 
 using mtpkit_simd::bcast4;
+using mtpkit_simd::over_columns;
 using mtpkit_simd::over_rows;
 using mtpkit_simd::prefetch;
 using mtpkit_simd::quantize_rows;
@@ -164,9 +159,10 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
   const float* sp = sc.data_ptr<float>();
   const int32_t* cp = cc.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N16 / 16, 2, [&](int64_t b0, int64_t b1) {
+  over_columns<16>(N16, [&](int64_t n0, int64_t n1) {
     over_rows(M, [&](auto R, int64_t m) {
-      a8_rows<R.value>(qp + m * K4, xsp + m, K4, wp, sp, cp, yp + m * N16, N16, b0, b1);
+      a8_rows<R.value>(qp + m * K4, xsp + m, K4, wp, sp, cp, yp + m * N16, N16, n0 / 16,
+                       n1 / 16);
     });
   });
 #else

@@ -11,6 +11,14 @@
 #include <cstdint>
 #include <type_traits>
 
+// Built with AVX-512 VNNI (kernels.py, on hosts that have it): the W8A8 and W4A8 kernels'
+// 512-bit vpdpbusd forms.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MTPKIT_VNNI 1
+#else
+#define MTPKIT_VNNI 0
+#endif
+
 namespace mtpkit_simd {
 
 // The sum of a vector's eight lanes, in one fixed order.
@@ -101,12 +109,13 @@ inline void over_rows(int64_t M, const F& f) {
   }
 }
 
-// Threads split the output columns [0, N) in blocks of 8 and call f(n0, n1) on their share;
-// a column's arithmetic is independent of which thread computes it.
-template <class F>
+// Threads split the output columns [0, N) in blocks of B (a kernel's column block) and call
+// f(n0, n1) on their share, at least 32 columns a thread; a column's arithmetic is
+// independent of which thread computes it.
+template <int B = 8, class F>
 inline void over_columns(int64_t N, const F& f) {
-  at::parallel_for(0, (N + 7) / 8, 4,
-                   [&](int64_t b, int64_t e) { f(8 * b, std::min(N, 8 * e)); });
+  at::parallel_for(0, (N + B - 1) / B, 32 / B,
+                   [&](int64_t b, int64_t e) { f(B * b, std::min(N, B * e)); });
 }
 
 }  // namespace mtpkit_simd
