@@ -236,11 +236,14 @@ def test_quantized_verify_rows_equal_one_token_steps(scheme, quantized_engines):
 @pytest.mark.parametrize("scheme", ["w8a8-lm", "w8a16-lm", "w4a8-lm"])
 def test_row_exact_trunks_stack_qkv_and_gate_up_exactly(scheme, quantized_engines):
     """Row-exact trunks run q/k/v and gate/up as one int8 layer each; the trunk's states and
-    cache entries are the same bits as with the layers apart."""
+    cache entries are the same bits as with the layers apart (W8A8's fused layer ops off,
+    which compute norms and SiLU their own way: test_w8a8_block_ops_match_per_gemm_layers)."""
     engine = quantized_engines[scheme]
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
     pr = dec.programs
     assert pr.fused is not None and all(set(f) == {"qkv", "gate_up"} for f in pr.fused)
+    assert all(pr.w8a8_blocks) == (scheme == "w8a8-lm")
+    pr.w8a8_blocks = [False] * len(pr.w8a8_blocks)
     tokens = torch.tensor([[7, 19, 3, 44]])
     outs, stacked = [], pr.fused
     with torch.inference_mode():
@@ -254,6 +257,29 @@ def test_row_exact_trunks_stack_qkv_and_gate_up_exactly(scheme, quantized_engine
     (a, b, ca), (c, d, cb) = outs
     assert torch.equal(a, c) and torch.equal(b, d)
     assert all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
+
+
+def test_w8a8_block_ops_match_per_gemm_layers(quantized_engines):
+    """W8A8 layers run as mtpkit's two fused ops (norm + q/k/v; o_proj to the MLP's
+    residual): the trunk's states and cache entries agree with the op-per-GEMM form to
+    float32 rounding, over several rows at once."""
+    dec = FastDecoder(quantized_engines["w8a8-lm"].model, backend="eager", max_len=128)
+    pr = dec.programs
+    tokens = torch.tensor([[7, 19, 3, 44, 5]])
+    outs = []
+    with torch.inference_mode():
+        for blocks in (pr.w8a8_blocks, [False] * len(pr.w8a8_blocks)):
+            for b in dec.kc + dec.vc:
+                b.zero_()
+            pr.w8a8_blocks = blocks
+            post, pre = pr.trunk(tokens, torch.arange(5), dec.kc, dec.vc, dec.span(8), 5)
+            outs.append((post, pre, [b.clone() for b in dec.kc + dec.vc]))
+    (a, b, ca), (c, d, cb) = outs
+    assert not torch.equal(a, c)  # the fused ops did run (their own rounding)
+    torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(b, d, rtol=1e-4, atol=1e-4)
+    for x, y in zip(ca, cb, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8-lm", "w8a16-lm", "w4a8-lm"])
@@ -313,7 +339,8 @@ def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines, 
     assert res.metrics.num_draft_tokens > 2 * res.metrics.num_drafts
 
 
-@pytest.mark.parametrize("scheme, gemm", [("w4a8-lm", "int4_a8_mm"), ("fp32", "f32_mm")])
+@pytest.mark.parametrize("scheme, gemm", [("w4a8-lm", "int4_a8_mm"), ("fp32", "f32_mm"),
+                                          ("w8a8-lm", "w8a8_post")])
 def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path, scheme, gemm):
     """Ahead-of-time programs of a W4A8 or fp32 trunk call mtpkit's kernels through their C
     entry points (no boxed dispatch per call) and decode, with and without MTP, the eager

@@ -260,6 +260,56 @@ def test_w8a8_reference_and_kernel_agree_bit_for_bit(n, k):
                                want[start:start + rows])
 
 
+def _rms(x, ln, eps):
+    return ln * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("d,a,inter", [(64, 64, 160), (45, 36, 70), (576, 576, 1536)])
+def test_w8a8_block_ops_match_their_definition(d, a, inter):
+    """mtpkit's fused W8A8 layer ops (norm + q/k/v; o_proj, residual, norm, gate/up, SiLU,
+    down, residual) equal their definition through int8_a8_mm to float32 rounding, and each
+    row is the same bits whatever rows come with it and whatever the thread count."""
+    if not int8_mm_available():
+        pytest.skip("mtpkit's kernels do not build here")
+    g = torch.Generator().manual_seed(d)
+
+    def weight(n, k):
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        scale = torch.rand(n, generator=g) * 0.02 + 0.001
+        return pack_a8(codes, scale), codes, scale
+
+    def a8(x, w):
+        return torch.ops.mtpkit.int8_a8_mm(x, *w[0])[:, : w[1].shape[0]]
+
+    qkv, o, gu, dn = weight(a + 2 * 16, d), weight(d, a), weight(2 * inter, d), weight(d, inter)
+    ln1, ln2 = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+    eps = 1e-5
+    x, heads = torch.randn(6, d, generator=g), torch.randn(6, a, generator=g)
+    pre = torch.ops.mtpkit.w8a8_pre(x, ln1, eps, *qkv[0])[:, : a + 32]
+    post = torch.ops.mtpkit.w8a8_post(heads, x, *o[0], ln2, eps, *gu[0], *dn[0], inter)
+    h = x + a8(heads, o)
+    mid = a8(_rms(h, ln2, eps), gu)
+    want = h + a8(torch.nn.functional.silu(mid[:, :inter]) * mid[:, inter:], dn)
+    torch.testing.assert_close(pre, a8(_rms(x, ln1, eps), qkv), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(post, want, rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (1, 2, 4, 5):
+                for start in range(0, 7 - rows, 2):
+                    part = slice(start, start + rows)
+                    got = torch.ops.mtpkit.w8a8_post(heads[part], x[part], *o[0], ln2, eps,
+                                                     *gu[0], *dn[0], inter)
+                    assert torch.equal(got, post[part]), (n, rows, start)
+                    got = torch.ops.mtpkit.w8a8_pre(x[part], ln1, eps, *qkv[0])[:, : a + 32]
+                    assert torch.equal(got, pre[part]), (n, rows, start)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="packed for another shape"):
+        torch.ops.mtpkit.w8a8_post(heads, x, *dn[0], ln2, eps, *gu[0], *dn[0], inter)
+
+
 def _a4_float64(x, layer):
     """W4A8 from its definition: per-row int8 activations times the dequantized weight, in
     float64 (every product and group sum exact), rounded once to float32."""
@@ -311,8 +361,8 @@ def test_w4a8_kernel_is_exact_per_group_and_row_independent(n, k, group, asym, h
         torch.ops.mtpkit.int4_a8_mm(x.double(), packed, scale, zero, group or k)
 
 
-_KERNEL_TESTS = ("hand_int8_kernel or w8a8_reference or w4a8_kernel or row_attention or "
-                 "argmax_rows or stacked_int8")
+_KERNEL_TESTS = ("hand_int8_kernel or w8a8_reference or w8a8_block or w4a8_kernel or "
+                 "row_attention or argmax_rows or stacked_int8")
 
 
 @pytest.mark.skipif(not int8_mm_available() or kernel_isa() != "avx512",

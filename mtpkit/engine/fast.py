@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.attention import Attention
-from ..models.layers import MLP, PreNormDecoderLayer, Rotary
+from ..models.layers import MLP, PreNormDecoderLayer, RMSNorm, Rotary
 from ..quant.kernels import aoti_c_shims, argmax_rows, int8_mm_available, kernel_choice
 from ..quant.kernels import source_digest as kernel_source_digest
 from ..quant.linear import QuantLinear, RowExactLinear, linear_rows, stack_outputs
@@ -115,13 +115,18 @@ def _mlp(mlp: MLP, x: torch.Tensor, fused: nn.ModuleDict | None = None) -> torch
 
 
 def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
-               rows: int | None = None, fused: nn.ModuleDict | None = None) -> torch.Tensor:
+               rows: int | None = None, fused: nn.ModuleDict | None = None,
+               qkv: torch.Tensor | None = None, project: bool = True) -> torch.Tensor:
     """GQA attention of x [1, T, D] at positions pos [T], writing the static buffers;
     ``rows``: attend the first ``rows`` rows one query row at a time (see Programs);
-    ``fused``: q/k/v as one layer ("qkv", see Programs)."""
-    b, t, _ = x.shape
+    ``fused``: q/k/v as one layer ("qkv", see Programs); ``qkv``: that layer's output
+    [1, T, Nq + 2 Nkv] already computed (x unused); ``project=False``: the heads' output
+    [1, T, H * hd] before o_proj."""
+    b, t = (qkv if qkv is not None else x).shape[:2]
     nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if fused is not None and "qkv" in fused:
+    if qkv is not None:
+        q, k, v = qkv.split([attn.q_proj.out_features, nkv * hd, nkv * hd], -1)
+    elif fused is not None and "qkv" in fused:
         q, k, v = fused["qkv"](x).split([attn.q_proj.out_features, nkv * hd, nkv * hd], -1)
     else:
         q, k, v = (_lin(fused, name, getattr(attn, name))(x)
@@ -155,14 +160,16 @@ def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
         # a one-token step makes, all rows in one call; a third of torch's SDPA time for a
         # row here. Rows past ``rows`` are padding and copy the last. Out [T, H, D].
         out = torch.ops.mtpkit.attend_rows(q[0].transpose(0, 1), keys[0], values[0], pos, rows)
-        return _out_proj(attn, out.view(b, t, nh * hd), gate, fused)
+        out = out.view(b, t, nh * hd)
+        return _out_proj(attn, out, gate, fused) if project else out
     else:
         # As above through torch's SDPA (mask rows j, j+t, .. are row j's).
         outs = [F.scaled_dot_product_attention(q[:, :, j : j + 1].reshape(b, nkv, g, hd), keys,
                                                values, attn_mask=mask[j::t]).reshape(b, nh, 1, hd)
                 for j in range(rows)]
         out = torch.cat(outs + outs[-1:] * (t - rows), dim=2)
-    return _out_proj(attn, out.transpose(1, 2).reshape(b, t, nh * hd), gate, fused)
+    out = out.transpose(1, 2).reshape(b, t, nh * hd)
+    return _out_proj(attn, out, gate, fused) if project else out
 
 
 def _out_proj(attn, out: torch.Tensor, gate: torch.Tensor | None, fused=None) -> torch.Tensor:
@@ -177,7 +184,43 @@ def _row_kernel(q: torch.Tensor, kbuf: torch.Tensor) -> bool:
             and int8_mm_available())
 
 
-def _block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows=None, fused=None) -> torch.Tensor:
+def w8a8_block_fits(layer, fused: nn.ModuleDict | None) -> bool:
+    """Whether a trunk layer can run as mtpkit's fused W8A8 ops (_w8a8_block): every GEMM
+    W8A8 without bias on the CPU kernels, plain fp32 RMSNorms, ungated attention, SwiGLU."""
+    if fused is None or not {"qkv", "gate_up"} <= set(fused) or not int8_mm_available():
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    gemms = (fused["qkv"], attn.o_proj, fused["gate_up"], mlp.down_proj)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return (all(isinstance(m, QuantLinear) and m.kind == "int" and m.bits == 8
+                and m.act_quant is not None and m.row_exact and m.bias is None
+                and m.perm is None and m.scale.device.type == "cpu" for m in gemms)
+            and all(isinstance(n, RMSNorm) and not n.zero_centered
+                    and n.weight.dtype == torch.float32 for n in norms)
+            and not attn.output_gate and type(mlp) is MLP)
+
+
+def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused) -> torch.Tensor:
+    # The layer as two of mtpkit's ops around the attention: input norm + q/k/v, then o_proj,
+    # residual, norm, gate/up, SiLU, down and residual in one OpenMP region (a region per
+    # GEMM let the weight stream idle between them; csrc/w8a8_block.cpp).
+    b, t, d = x.shape
+    attn, mlp, qkv = layer.self_attn, layer.mlp, fused["qkv"]
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    x2 = x.reshape(t, d)
+    proj = torch.ops.mtpkit.w8a8_pre(x2, ln1.weight, ln1.eps, *qkv.a8_operands())
+    heads = _attention(attn, None, cos, sin, kbuf, vbuf, pos, mask, rows,
+                       qkv=proj[:, : qkv.out_features].view(b, t, -1), project=False)
+    out = torch.ops.mtpkit.w8a8_post(heads.reshape(t, -1), x2, *attn.o_proj.a8_operands(),
+                                     ln2.weight, ln2.eps, *fused["gate_up"].a8_operands(),
+                                     *mlp.down_proj.a8_operands(), mlp.down_proj.in_features)
+    return out.view(b, t, d)
+
+
+def _block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows=None, fused=None,
+           w8a8: bool = False) -> torch.Tensor:
+    if w8a8:
+        return _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused)
     x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, kbuf, vbuf, pos,
                        mask, rows, fused)
     return x + _mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
@@ -252,6 +295,13 @@ class Programs(nn.Module):
                                            block.self_attn.v_proj])),
                     ("gate_up", stack_outputs([block.mlp.gate_proj, block.mlp.up_proj])))
                 if layer is not None}) for block in model.model.layers)
+        # W8A8 layers on mtpkit's kernels run as two fused ops each (_w8a8_block);
+        # MTPKIT_W8A8_BLOCK=0 keeps an op per GEMM (to compare the two).
+        fuse = os.environ.get("MTPKIT_W8A8_BLOCK", "1") != "0"
+        layers = model.model.layers
+        per_layer = self.fused if self.fused is not None else [None] * len(layers)
+        self.w8a8_blocks = [fuse and w8a8_block_fits(block, f)
+                            for block, f in zip(layers, per_layer, strict=True)]
         self.register_buffer("vocab", None)
         if model.mtp is not None and draft_vocab is not None and len(draft_vocab):
             dev = model.model.embed_tokens.weight.device
@@ -276,8 +326,9 @@ class Programs(nn.Module):
         cos, sin = m.rotary.cos_sin(pos)
         x = m.model.embed_tokens(ids)
         for i, layer in enumerate(m.model.layers):
-            x = _block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows,
-                       None if self.fused is None else self.fused[i])
+            fused = None if self.fused is None else self.fused[i]
+            x = _block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows, fused,
+                       fused is not None and self.w8a8_blocks[i])
         return m.model.norm(x), x
 
     def head(self, ids, hidden, pos, hk, hv, span=None, zero_first: bool = False):
@@ -446,6 +497,7 @@ def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str) -> s
 
     parts = [
         fingerprint, kind, shapes, str(k), mode, os.environ.get("MTPKIT_GEMM_BACKENDS", ""),
+        str(os.environ.get("MTPKIT_W8A8_BLOCK", "1") != "0"),
         torch.__version__, str(pick_vec_isa()),
         # GEMM templates are generated for the thread count in force at compile time.
         str(torch.get_num_threads()),

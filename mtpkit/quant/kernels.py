@@ -3,7 +3,8 @@
 ``int8_mm_available()`` builds the extension once per source version with the C++ compiler
 torch's inductor also needs (into ``<mtpkit cache>/ext``) and registers
 ``torch.ops.mtpkit.int8_mm``, ``int8_a8_mm``, ``f32_mm`` (the compiled fp32 path's
-row-exact GEMM), ``int4_a8_mm`` (W4A8), ``attend_rows`` (a
+row-exact GEMM), ``int4_a8_mm`` (W4A8), ``w8a8_pre`` and ``w8a8_post`` (a W8A8
+layer's GEMMs with its norms, SiLU and residuals in one OpenMP region each), ``attend_rows`` (a
 step's query rows' attention, each row as its own one-row computation, for the compiled
 path's row-wise steps) and ``argmax_rows`` (the compiled steps' greedy pick). Where it cannot (no
 compiler, no AVX2, or ``MTPKIT_INT8_KERNEL=library``) it says why once and callers use
@@ -24,8 +25,8 @@ import torch
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "int8_a8_mm.cpp", _CSRC / "int4_a8_mm.cpp",
-            _CSRC / "attend_rows.cpp", _CSRC / "argmax_rows.cpp")
-_HEADERS = (_CSRC / "simd.h", _CSRC / "aoti_shim.h")  # included by them
+            _CSRC / "w8a8_block.cpp", _CSRC / "attend_rows.cpp", _CSRC / "argmax_rows.cpp")
+_HEADERS = (_CSRC / "simd.h", _CSRC / "int8_a8.h", _CSRC / "aoti_shim.h")  # included by them
 _state: dict = {}  # "ok": bool, "why": str, once per process; "lib": the global handle
 
 
@@ -100,6 +101,8 @@ def _build() -> None:
 
     for op in ("int8_mm", "int8_a8_mm", "f32_mm", "int4_a8_mm"):
         torch.library.register_fake(f"mtpkit::{op}")(_fake_gemm)
+    torch.library.register_fake("mtpkit::w8a8_pre")(_fake_pre)
+    torch.library.register_fake("mtpkit::w8a8_post")(_fake_post)
     torch.library.register_fake("mtpkit::attend_rows")(_fake_attend)
     torch.library.register_fake("mtpkit::argmax_rows")(_fake_argmax)
 
@@ -139,6 +142,14 @@ def _fake_gemm(x, w, *_):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+def _fake_pre(x, ln, eps, w, *_):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _fake_post(a, x, *_):
+    return x.new_empty(x.shape)
+
+
 def _fake_attend(q, k, v, pos, rows):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2])
 
@@ -149,8 +160,9 @@ def _fake_argmax(x):
 
 # mtpkit's ops, each with a C entry point (csrc/aoti_shim.h) taking its schema's arguments
 # in order, then the output.
-_OPS = ("int8_mm", "int8_a8_mm", "f32_mm", "int4_a8_mm", "attend_rows", "argmax_rows")
-_C_TYPES = {"Tensor": "AtenTensorHandle", "int": "int64_t"}
+_OPS = ("int8_mm", "int8_a8_mm", "f32_mm", "int4_a8_mm", "w8a8_pre", "w8a8_post",
+        "attend_rows", "argmax_rows")
+_C_TYPES = {"Tensor": "AtenTensorHandle", "int": "int64_t", "float": "double"}
 
 
 def aoti_c_shims() -> dict:

@@ -250,8 +250,7 @@ class QuantLinear(nn.Module):
                 out = torch.ops.mtpkit.int4_a8_mm(x.float().contiguous(), w, s, z,
                                                   self.group_size or self.in_features)
             else:
-                w, s, colsum = self._prepare("a8", lambda: pack_a8(self.codes,
-                                                                   self.scale[:, 0]))
+                w, s, colsum = self.a8_operands()
                 out = torch.ops.mtpkit.int8_a8_mm(x.float().contiguous(), w, s, colsum)
             # Columns padded to a multiple of 16 (a draft vocabulary of any size).
             return out if w.shape[0] == self.out_features else out[:, : self.out_features]
@@ -259,6 +258,10 @@ class QuantLinear(nn.Module):
             return a4_reference(x, self._prepare("a4-float", lambda: self._float_weight(
                 torch.float32)))
         return a8_reference(x, self.codes, self.scale[:, 0])
+
+    def a8_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """W8A8's packed weights, scales and column sums (pack_a8), built once."""
+        return self._prepare("a8", lambda: pack_a8(self.codes, self.scale[:, 0]))
 
     def _prepare(self, key, build):
         if key not in self._packed:

@@ -1,5 +1,5 @@
-// Small AVX2 helpers shared by mtpkit's CPU kernels (int8_mm.cpp, int8_a8_mm.cpp,
-// int4_a8_mm.cpp, attend_rows.cpp).
+// Small AVX2 helpers shared by mtpkit's CPU kernels (int8_mm.cpp, int8_a8.h and int8_a8_mm.cpp,
+// w8a8_block.cpp, int4_a8_mm.cpp, attend_rows.cpp).
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -1,0 +1,281 @@
+// A decoder layer's W8A8 GEMMs with the small steps between them, each group in one OpenMP
+// region (the compiled steps of row-exact W8A8 trunks call these; engine/fast.py):
+//
+// mtpkit::w8a8_pre(x, ln, eps, w, s, colsum) -> y = qkv(rmsnorm(x) * ln)
+// mtpkit::w8a8_post(a, x, o.., ln, eps, gate_up.., down.., inter) -> out, with
+//   h = x + o(a);  [g, u] = gate_up(rmsnorm(h) * ln);  out = h + down(silu(g) * u)
+// x, a float32 [T, *]; each GEMM is int8_a8_mm's (packed weights, scales, column sums from
+// linear.pack_a8, inter = the MLP's width, gate_up's columns [0, inter) being the gate's);
+// rmsnorm(v) = v / sqrt(mean(v^2) + eps), in float32.
+//
+// Why: a decode step of SmolLM2 made ~150 short parallel regions (a GEMM, a norm, the SiLU:
+// each a fork and a join of the OpenMP team), and the weights stream in the gaps between
+// them at the rate of no stream at all. The layer's GEMMs streamed from one region per layer
+// with barriers between them ran at the machine's read bandwidth (~90 GB/s against 72-78 for
+// a region per GEMM, the whole weight set alone, docs/benchmarks.md, session 24).
+//
+// Exactness: every output row is computed from its own input row only, in one fixed order
+// whatever the row count, the thread count or the thread split (the GEMMs' integer sums are
+// exact; norms, SiLU and residuals are the same code on every row, and where threads
+// compute the same row's norm they compute the same bits), so a verified row equals the
+// one-token step (engine/fast.py's row-exact steps rely on it).
+//
+// SiLU's exp: ATen's vectorized one (Sleef), as inductor's generated code uses; 256-bit.
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include "aoti_shim.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include <omp.h>
+
+#include "int8_a8.h"
+#include "simd.h"
+
+namespace {
+
+using mtpkit_a8::a8_rows;
+using mtpkit_simd::hsum;
+using mtpkit_simd::over_rows;
+using mtpkit_simd::quantize_rows;
+
+// One packed W8A8 weight (linear.pack_a8): [N16, K4] codes, scales and column sums [N16].
+struct Packed {
+  const int8_t* w;
+  const float* s;
+  const int32_t* colsum;
+  int64_t N16, K4;
+};
+
+Packed packed(const at::Tensor& w, const at::Tensor& s, const at::Tensor& colsum, int64_t K,
+              const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() &&
+                  s.scalar_type() == at::kFloat && s.is_contiguous() &&
+                  colsum.scalar_type() == at::kInt && colsum.is_contiguous(),
+              "w8a8 block: ", name, " must be contiguous packed int8, float32 scales, int32 sums");
+  const int64_t N16 = w.size(0), K4 = w.size(1);
+  TORCH_CHECK(N16 % 16 == 0 && K4 == (K + 3) / 4 * 4 && s.numel() == N16 &&
+                  colsum.numel() == N16 && K < (1 << 17),
+              "w8a8 block: ", name, " packed for another shape (N16 ", N16, ", K4 ", K4,
+              ", input width ", K, ")");
+  return {w.data_ptr<int8_t>(), s.data_ptr<float>(), colsum.data_ptr<int32_t>(), N16, K4};
+}
+
+// This thread's share of the column blocks of a GEMM with N16 columns.
+inline void share(int64_t N16, int t, int nt, int64_t& b0, int64_t& b1) {
+  const int64_t nb = N16 / 16;
+  b0 = nb * t / nt;
+  b1 = nb * (t + 1) / nt;
+}
+
+// Quantized rows q [T, K4] (scales xs [T]) against this thread's columns of w -> y [T, N16].
+void gemm_share(const int8_t* q, const float* xs, int64_t T, const Packed& w, float* y, int t,
+                int nt) {
+  int64_t b0, b1;
+  share(w.N16, t, nt, b0, b1);
+  if (b0 == b1) return;
+  over_rows(T, [&](auto R, int64_t m) {
+    a8_rows<R.value>(q + m * w.K4, xs + m, w.K4, w.w, w.s, w.colsum, y + m * w.N16, w.N16, b0, b1);
+  });
+}
+
+// y[k] = ln[k] * (x[k] / sqrt(mean(x^2) + eps)) for one row of D, in a fixed order.
+void rmsnorm_row(const float* x, const float* ln, float eps, int64_t D, float* y) {
+  __m256 acc = _mm256_setzero_ps();
+  const int64_t Dv = D - D % 8;
+  for (int64_t k = 0; k < Dv; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float ss = hsum(acc);
+  for (int64_t k = Dv; k < D; k++) ss = std::fma(x[k], x[k], ss);
+  const float r = 1.f / std::sqrt(ss / float(D) + eps);
+  for (int64_t k = 0; k < D; k++) y[k] = ln[k] * (x[k] * r);
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u over [i0, i1) of one row.
+void silu_mul(const float* g, const float* u, float* y, int64_t i0, int64_t i1) {
+  using V = at::vec::Vectorized<float>;
+  int64_t i = i0;
+  for (; i + V::size() <= i1; i += V::size()) {
+    const V gv = V::loadu(g + i);
+    (gv / (V(1.f) + gv.neg().exp()) * V::loadu(u + i)).store(y + i);
+  }
+  for (; i < i1; i++) y[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// Per-thread scratch, reused across calls (a step makes 60 of these calls).
+struct Scratch {
+  std::vector<float> f;
+  std::vector<int8_t> q;
+  std::vector<float> xs;
+  void fit(int64_t nf, int64_t nq, int64_t nx) {
+    if ((int64_t)f.size() < nf) f.resize(nf);
+    if ((int64_t)q.size() < nq) q.resize(nq);
+    if ((int64_t)xs.size() < nx) xs.resize(nx);
+  }
+};
+
+std::vector<Scratch>& scratch(int nt) {
+  thread_local std::vector<Scratch> s;  // the calling thread's; its team writes into it
+  if ((int)s.size() < nt) s.resize(nt);
+  return s;
+}
+
+int team() {
+  // Inside another parallel region (a caller's at::parallel_for) the work runs on this
+  // thread alone, as at::parallel_for would run it.
+  return omp_in_parallel() ? 1 : std::max(1, at::get_num_threads());
+}
+
+constexpr uint8_t kFlip = MTPKIT_VNNI ? 0x80 : 0;  // a8_rows' activation form
+
+void check_rows(const at::Tensor& x, int64_t D, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == D,
+              "w8a8 block: ", name, " must be float32 [T, ", D, "]");
+}
+
+at::Tensor contig_vec(const at::Tensor& v, int64_t D, const char* name) {
+  TORCH_CHECK(v.dim() == 1 && v.scalar_type() == at::kFloat && v.size(0) == D,
+              "w8a8 block: ", name, " must be float32 [", D, "]");
+  return v.contiguous();
+}
+
+}  // namespace
+
+static at::Tensor w8a8_pre(const at::Tensor& x_, const at::Tensor& ln_, double eps,
+                           const at::Tensor& w_, const at::Tensor& s_, const at::Tensor& c_) {
+  TORCH_CHECK(x_.dim() == 2, "w8a8_pre: x must be [T, D]");
+  const int64_t T = x_.size(0), D = x_.size(1);
+  check_rows(x_, D, "x");
+  const at::Tensor x = x_.contiguous(), ln = contig_vec(ln_, D, "ln");
+  const Packed w = packed(w_, s_, c_, D, "the weight");
+  at::Tensor y = at::empty({T, w.N16}, x.options());
+  const int nt = team();
+  auto& sc = scratch(nt);
+  for (auto& s : sc) s.fit(T * D, T * w.K4, T);
+  const float* xp = x.data_ptr<float>();
+  const float* lnp = ln.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int t = omp_get_thread_num();
+    Scratch& s = sc[t];
+    for (int64_t m = 0; m < T; m++) rmsnorm_row(xp + m * D, lnp, float(eps), D, s.f.data() + m * D);
+    quantize_rows(s.f.data(), T, D, s.q.data(), s.xs.data(), w.K4, kFlip);
+    gemm_share(s.q.data(), s.xs.data(), T, w, yp, t, nt);
+  }
+  return y;
+}
+
+static at::Tensor w8a8_post(const at::Tensor& a_, const at::Tensor& x_, const at::Tensor& ow_,
+                            const at::Tensor& os_, const at::Tensor& oc_, const at::Tensor& ln_,
+                            double eps, const at::Tensor& guw_, const at::Tensor& gus_,
+                            const at::Tensor& guc_, const at::Tensor& dw_, const at::Tensor& ds_,
+                            const at::Tensor& dc_, int64_t inter) {
+  TORCH_CHECK(a_.dim() == 2 && x_.dim() == 2 && a_.size(0) == x_.size(0),
+              "w8a8_post: a [T, A] and x [T, D]");
+  const int64_t T = x_.size(0), D = x_.size(1), A = a_.size(1), I = inter;
+  check_rows(a_, A, "a");
+  check_rows(x_, D, "x");
+  const at::Tensor a = a_.contiguous(), x = x_.contiguous(), ln = contig_vec(ln_, D, "ln");
+  const Packed o = packed(ow_, os_, oc_, A, "o_proj"), gu = packed(guw_, gus_, guc_, D, "gate_up"),
+               dn = packed(dw_, ds_, dc_, I, "down_proj");
+  TORCH_CHECK(o.N16 >= D && gu.N16 >= 2 * I && dn.N16 >= D,
+              "w8a8_post: o_proj / down_proj must give D columns and gate_up 2 * inter");
+  at::Tensor out = at::empty({T, D}, x.options());
+  // Shared between the threads: each GEMM's output rows, and the MLP's activations.
+  thread_local std::vector<float> shared;
+  const int64_t n_o = T * o.N16, n_gu = T * gu.N16, n_dn = T * dn.N16, n_act = T * I;
+  if ((int64_t)shared.size() < n_o + n_gu + n_dn + n_act) shared.resize(n_o + n_gu + n_dn + n_act);
+  float* yo = shared.data();
+  float* ygu = yo + n_o;
+  float* ydn = ygu + n_gu;
+  float* act = ydn + n_dn;
+  const int nt = team();
+  auto& sc = scratch(nt);
+  const int64_t K4max = std::max({o.K4, gu.K4, dn.K4});
+  for (auto& s : sc) s.fit(2 * T * D + T * I, T * K4max, T);
+  const float* ap = a.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* lnp = ln.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int t = omp_get_thread_num();
+    Scratch& s = sc[t];
+    float* h = s.f.data();  // [T, D]: x + o(a), this thread's copy
+    float* hn = h + T * D;  // [T, D]: its norm
+    quantize_rows(ap, T, A, s.q.data(), s.xs.data(), o.K4, kFlip);
+    gemm_share(s.q.data(), s.xs.data(), T, o, yo, t, nt);
+#pragma omp barrier
+    for (int64_t m = 0; m < T; m++) {
+      for (int64_t k = 0; k < D; k++) h[m * D + k] = xp[m * D + k] + yo[m * o.N16 + k];
+      rmsnorm_row(h + m * D, lnp, float(eps), D, hn + m * D);
+    }
+    quantize_rows(hn, T, D, s.q.data(), s.xs.data(), gu.K4, kFlip);
+    gemm_share(s.q.data(), s.xs.data(), T, gu, ygu, t, nt);
+#pragma omp barrier
+    // The activations split by column, then every thread quantizes whole rows.
+    const int64_t i0 = I * t / nt, i1 = I * (t + 1) / nt;
+    for (int64_t m = 0; m < T; m++)
+      silu_mul(ygu + m * gu.N16, ygu + m * gu.N16 + I, act + m * I, i0, i1);
+#pragma omp barrier
+    quantize_rows(act, T, I, s.q.data(), s.xs.data(), dn.K4, kFlip);
+    gemm_share(s.q.data(), s.xs.data(), T, dn, ydn, t, nt);
+    int64_t b0, b1;
+    share(dn.N16, t, nt, b0, b1);
+    const int64_t c1 = std::min(D, 16 * b1);
+    for (int64_t m = 0; m < T; m++)
+      for (int64_t k = 16 * b0; k < c1; k++) outp[m * D + k] = h[m * D + k] + ydn[m * dn.N16 + k];
+  }
+  return out;
+}
+
+#else
+static at::Tensor w8a8_pre(const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "w8a8_pre was built without AVX2/FMA");
+}
+static at::Tensor w8a8_post(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "w8a8_post was built without AVX2/FMA");
+}
+#endif
+
+TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
+  m.def("w8a8_pre(Tensor x, Tensor ln, float eps, Tensor w, Tensor s, Tensor colsum) -> Tensor");
+  m.def("w8a8_post(Tensor a, Tensor x, Tensor o_w, Tensor o_s, Tensor o_colsum, Tensor ln, "
+        "float eps, Tensor gu_w, Tensor gu_s, Tensor gu_colsum, Tensor down_w, Tensor down_s, "
+        "Tensor down_colsum, int inter) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(mtpkit, CPU, m) {
+  m.impl("w8a8_pre", &w8a8_pre);
+  m.impl("w8a8_post", &w8a8_post);
+}
+
+MTPKIT_AOTI_SHIM(w8a8_pre,
+                 (AtenTensorHandle x, AtenTensorHandle ln, double eps, AtenTensorHandle w,
+                  AtenTensorHandle s, AtenTensorHandle colsum, AtenTensorHandle* ret0),
+                 w8a8_pre(arg(x), arg(ln), eps, arg(w), arg(s), arg(colsum)))
+MTPKIT_AOTI_SHIM(w8a8_post,
+                 (AtenTensorHandle a, AtenTensorHandle x, AtenTensorHandle o_w, AtenTensorHandle o_s,
+                  AtenTensorHandle o_colsum, AtenTensorHandle ln, double eps,
+                  AtenTensorHandle gu_w, AtenTensorHandle gu_s, AtenTensorHandle gu_colsum,
+                  AtenTensorHandle down_w, AtenTensorHandle down_s, AtenTensorHandle down_colsum,
+                  int64_t inter, AtenTensorHandle* ret0),
+                 w8a8_post(arg(a), arg(x), arg(o_w), arg(o_s), arg(o_colsum), arg(ln), eps,
+                           arg(gu_w), arg(gu_s), arg(gu_colsum), arg(down_w), arg(down_s),
+                           arg(down_colsum), inter))
