@@ -8,11 +8,12 @@
 // linear.pack_a8, inter = the MLP's width, gate_up's columns [0, inter) being the gate's);
 // rmsnorm(v) = v / sqrt(mean(v^2) + eps), in float32.
 //
-// Why: a decode step of SmolLM2 made ~150 short parallel regions (a GEMM, a norm, the SiLU:
-// each a fork and a join of the OpenMP team), and the weights stream in the gaps between
-// them at the rate of no stream at all. The layer's GEMMs streamed from one region per layer
-// with barriers between them ran at the machine's read bandwidth (~90 GB/s against 72-78 for
-// a region per GEMM, the whole weight set alone, docs/benchmarks.md, session 24).
+// Why: with a parallel region per GEMM (121 a SmolLM2 decode step), each a fork and a join
+// of the OpenMP team, the weight stream idles around every call. SmolLM2's GEMMs alone, from
+// C++, streamed at the machine's read bandwidth with one region per layer and barriers
+// between its GEMMs (~90 GB/s against 72-78 for a region per GEMM). In the compiled steps
+// the gain is smaller (verification 3-7%; attention and glue remain between the regions;
+// docs/benchmarks.md, session 24).
 //
 // Exactness: every output row is computed from its own input row only, in one fixed order
 // whatever the row count, the thread count or the thread split (the GEMMs' integer sums are
