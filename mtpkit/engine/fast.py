@@ -184,6 +184,12 @@ def _row_kernel(q: torch.Tensor, kbuf: torch.Tensor) -> bool:
             and int8_mm_available())
 
 
+def w8a8_blocks_on() -> bool:
+    """Whether W8A8 layers take the fused ops; MTPKIT_W8A8_BLOCK=0 keeps an op per GEMM
+    (to compare the two; programs are keyed on it)."""
+    return os.environ.get("MTPKIT_W8A8_BLOCK", "1") != "0"
+
+
 def w8a8_block_fits(layer, fused: nn.ModuleDict | None) -> bool:
     """Whether a trunk layer can run as mtpkit's fused W8A8 ops (_w8a8_block): every GEMM
     W8A8 without bias on the CPU kernels, plain fp32 RMSNorms, ungated attention, SwiGLU."""
@@ -192,9 +198,10 @@ def w8a8_block_fits(layer, fused: nn.ModuleDict | None) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     gemms = (fused["qkv"], attn.o_proj, fused["gate_up"], mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    return (all(isinstance(m, QuantLinear) and m.kind == "int" and m.bits == 8
-                and m.act_quant is not None and m.row_exact and m.bias is None
-                and m.perm is None and m.scale.device.type == "cpu" for m in gemms)
+    # row_exact at 8 bits: int codes per channel, symmetric, in stored order.
+    return (all(isinstance(m, QuantLinear) and m.bits == 8 and m.act_quant is not None
+                and m.row_exact and m.bias is None and m.scale.device.type == "cpu"
+                for m in gemms)
             and all(isinstance(n, RMSNorm) and not n.zero_centered
                     and n.weight.dtype == torch.float32 for n in norms)
             and not attn.output_gate and type(mlp) is MLP)
@@ -217,10 +224,7 @@ def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused) -> torch
     return out.view(b, t, d)
 
 
-def _block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows=None, fused=None,
-           w8a8: bool = False) -> torch.Tensor:
-    if w8a8:
-        return _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused)
+def _block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows=None, fused=None) -> torch.Tensor:
     x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, kbuf, vbuf, pos,
                        mask, rows, fused)
     return x + _mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
@@ -295,9 +299,8 @@ class Programs(nn.Module):
                                            block.self_attn.v_proj])),
                     ("gate_up", stack_outputs([block.mlp.gate_proj, block.mlp.up_proj])))
                 if layer is not None}) for block in model.model.layers)
-        # W8A8 layers on mtpkit's kernels run as two fused ops each (_w8a8_block);
-        # MTPKIT_W8A8_BLOCK=0 keeps an op per GEMM (to compare the two).
-        fuse = os.environ.get("MTPKIT_W8A8_BLOCK", "1") != "0"
+        # W8A8 layers on mtpkit's kernels run as two fused ops each (_w8a8_block).
+        fuse = w8a8_blocks_on()
         layers = model.model.layers
         per_layer = self.fused if self.fused is not None else [None] * len(layers)
         self.w8a8_blocks = [fuse and w8a8_block_fits(block, f)
@@ -327,8 +330,8 @@ class Programs(nn.Module):
         x = m.model.embed_tokens(ids)
         for i, layer in enumerate(m.model.layers):
             fused = None if self.fused is None else self.fused[i]
-            x = _block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows, fused,
-                       fused is not None and self.w8a8_blocks[i])
+            step = _w8a8_block if fused is not None and self.w8a8_blocks[i] else _block
+            x = step(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows, fused)
         return m.model.norm(x), x
 
     def head(self, ids, hidden, pos, hk, hv, span=None, zero_first: bool = False):
@@ -497,7 +500,7 @@ def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str) -> s
 
     parts = [
         fingerprint, kind, shapes, str(k), mode, os.environ.get("MTPKIT_GEMM_BACKENDS", ""),
-        str(os.environ.get("MTPKIT_W8A8_BLOCK", "1") != "0"),
+        str(w8a8_blocks_on()),
         torch.__version__, str(pick_vec_isa()),
         # GEMM templates are generated for the thread count in force at compile time.
         str(torch.get_num_threads()),
