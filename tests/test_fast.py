@@ -129,6 +129,29 @@ def test_inductor_compiles_once(engine_factory):
     assert dec.stats.compiled >= 2
 
 
+def test_bf16_compiled_programs_stay_exact(checkpoint_factory):
+    """A bf16 model compiles on the CPU (the first kernel check used to sit inside the trace,
+    which dynamo rejected) and its greedy output with MTP equals its own without."""
+    import warnings
+
+    from mtpkit.engine.loader import load_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(checkpoint_factory("llama"), dtype="bfloat16",
+                           tokenizer=False).model
+    dec = FastDecoder(model, backend="inductor", mode="default", max_len=128)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        want, _ = _fast(dec, prompt, 0)
+        for k in (1, 3):
+            got, res = _fast(dec, prompt, k)
+            assert got == want, f"k={k} prompt={prompt}"
+            drafted += res.metrics.num_draft_tokens
+            accepted += res.metrics.num_accepted_tokens
+    assert 0 < accepted < drafted
+
+
 def test_rotary_tables_move_with_the_model():
     """model.to(device) moves the rotary inverse frequencies (a plain attribute, so that dtype
     casts leave them fp32). Moved lazily inside a compiled program instead, the move made

@@ -509,12 +509,21 @@ def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str) -> s
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
-def _inductor_configs(mode: str, rowwise: bool = False) -> dict:
+def _inductor_configs(mode: str, rowwise: bool = False, low_precision: bool = False) -> dict:
     # Freezing folds the weights into the program; prepacking lays them out for inductor's
     # own CPU GEMM templates, which max-autotune measures against the library GEMMs.
     cfg = {"freezing": True, "cpp.weight_prepack": True,
            # Autotuning reports every choice on stderr; users see a progress note instead.
            "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+    if low_precision and hasattr(torch._inductor.config, "emulate_precision_casts"):
+        # bf16/fp16 models: inductor keeps a fused chain of ops in fp32 and rounds only
+        # where a kernel ends, and where kernels end differs between the decode and round
+        # programs (the round's head catch-up reads more of the trunk's values), so the
+        # same row rounded differently in each and greedy MTP output left plain decoding's
+        # (SmolLM2 bf16 on an H100, inductor, k=1: NO across 12 prompts, with library GEMMs
+        # too). Rounding after every op, as eager PyTorch does, made them equal (identical
+        # across k) and was not slower there (k=0 143 tok/s against 121-125).
+        cfg["emulate_precision_casts"] = True
     if mode == "max-autotune":
         cfg["max_autotune"] = True
     if rowwise:
@@ -571,6 +580,11 @@ class FastDecoder:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         self.model = model
+        if model.model.embed_tokens.weight.device.type == "cpu":
+            # Whether mtpkit's kernels run here is answered once, outside any trace: the
+            # programs ask it (argmax_rows), and its first answer reads the CPU's
+            # capability, which dynamo cannot trace (a bf16 CPU model failed to compile).
+            int8_mm_available()
         self.programs = Programs(model, draft_vocab).eval()
         self.backend, self.mode = backend, mode
         self.draft_p_min = draft_p_min
@@ -673,6 +687,10 @@ class FastDecoder:
             return self._torch_compile(step, kind, t)
         return self._aoti(step, kind, t, k, self._example(kind, t))
 
+    def _configs(self) -> dict:
+        low = self.kc[0].dtype in (torch.bfloat16, torch.float16)
+        return _inductor_configs(self.mode, self.programs.rowwise, low)
+
     def _torch_compile(self, step, kind: str, t: int):
         from torch._inductor import config as inductor_config
 
@@ -685,7 +703,7 @@ class FastDecoder:
         # dynamo counts as a recompilation: a process that builds several decoders or
         # draft lengths passed its limit of 8 and failed (fullgraph). These are distinct
         # programs by design, so the limit is lifted for the compiling call only.
-        with (inductor_config.patch(_inductor_configs(self.mode, self.programs.rowwise)),
+        with (inductor_config.patch(self._configs()),
               torch._dynamo.config.patch(recompile_limit=1 << 16),
               torch.inference_mode()):
             example = self._example(kind, t)
@@ -717,7 +735,7 @@ class FastDecoder:
             fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
             os.close(fd)
             try:
-                configs = _inductor_configs(self.mode, self.programs.rowwise)
+                configs = self._configs()
                 configs["aot_inductor.custom_ops_to_c_shims"] = aoti_c_shims()
                 torch._inductor.aoti_compile_and_package(ep, package_path=tmp,
                                                          inductor_configs=configs)
