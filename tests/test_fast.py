@@ -282,6 +282,30 @@ def test_row_exact_trunks_stack_qkv_and_gate_up_exactly(scheme, quantized_engine
     assert all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
 
 
+def test_w8a8_layer_ops_change_no_bit(quantized_engines, monkeypatch):
+    """Fused W8A8 layers run as one op (w8a8_layer: norm, q/k/v, rotary, cache writes,
+    attention, MLP) or attend inside the MLP's op (w8a8_attn_post): trunk states and cache
+    entries are the bits of w8a8_pre, the rotary, attend_rows and w8a8_post apart, over
+    several rows, padding rows included."""
+    dec = FastDecoder(quantized_engines["w8a8-lm"].model, backend="eager", max_len=128)
+    pr = dec.programs
+    assert all(pr.w8a8_blocks)
+    tokens = torch.tensor([[7, 19, 3, 44, 5]])
+    outs = []
+    with torch.inference_mode():
+        for attn, layer in (("1", "1"), ("1", "0"), ("0", "0")):
+            monkeypatch.setenv("MTPKIT_W8A8_ATTN", attn)
+            monkeypatch.setenv("MTPKIT_W8A8_LAYER", layer)
+            for b in dec.kc + dec.vc:
+                b.zero_()
+            post, pre = pr.trunk(tokens, torch.arange(5), dec.kc, dec.vc, dec.span(8), 4)
+            outs.append((post, pre, [b.clone() for b in dec.kc + dec.vc]))
+    a, b, ca = outs[-1]
+    for c, d, cb in outs[:-1]:
+        assert torch.equal(a, c) and torch.equal(b, d)
+        assert all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
+
+
 def test_w8a8_block_ops_match_per_gemm_layers(quantized_engines):
     """W8A8 layers run as mtpkit's two fused ops (norm + q/k/v; o_proj to the MLP's
     residual): the trunk's states and cache entries agree with the op-per-GEMM form to
@@ -363,7 +387,7 @@ def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines, 
 
 
 @pytest.mark.parametrize("scheme, gemm", [("w4a8-lm", "int4_a8_mm"), ("fp32", "f32_mm"),
-                                          ("w8a8-lm", "w8a8_post")])
+                                          ("w8a8-lm", "w8a8_layer")])
 def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path, scheme, gemm):
     """Ahead-of-time programs of a W4A8 or fp32 trunk call mtpkit's kernels through their C
     entry points (no boxed dispatch per call) and decode, with and without MTP, the eager
@@ -383,7 +407,9 @@ def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path,
         with zipfile.ZipFile(package) as z:
             wrapper = "".join(z.read(n).decode() for n in z.namelist()
                               if n.endswith(".wrapper.cpp"))
-        for op in (gemm, "attend_rows", "argmax_rows"):
+        # W8A8 layers attend inside w8a8_layer; the others call attend_rows.
+        ops = (gemm, "argmax_rows") + (() if gemm == "w8a8_layer" else ("attend_rows",))
+        for op in ops:
             assert f"aoti_torch_cpu_{op}(" in wrapper, (package.name, op)
         assert "call_function(" not in wrapper  # the proxy executor's boxed calls
 

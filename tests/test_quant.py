@@ -310,6 +310,99 @@ def test_w8a8_block_ops_match_their_definition(d, a, inter):
         torch.ops.mtpkit.w8a8_post(heads, x, *dn[0], ln2, eps, *gu[0], *dn[0], inter)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 20)])
+def test_w8a8_attn_post_is_attend_rows_then_w8a8_post(heads, kv_heads, dim):
+    """mtpkit::w8a8_attn_post (the row attention inside w8a8_post's region) gives the bits of
+    attend_rows followed by w8a8_post: for 1-6 rows, padding rows, several spans and both
+    thread counts."""
+    if not int8_mm_available():
+        pytest.skip("mtpkit's kernels do not build here")
+    g = torch.Generator().manual_seed(heads + dim)
+    d, a, inter = 48, heads * dim, 96
+
+    def weight(n, k):
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        return pack_a8(codes, torch.rand(n, generator=g) * 0.02 + 0.001)
+
+    o, gu, dn = weight(d, a), weight(2 * inter, d), weight(d, inter)
+    ln = torch.rand(d, generator=g) + 0.5
+    kbuf = torch.randn(1, kv_heads, 160, dim, generator=g)
+    vbuf = torch.randn(1, kv_heads, 160, dim, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for span, t, rows in ((8, 1, 1), (40, 4, 4), (137, 6, 3), (160, 2, 2)):
+                keys, values = kbuf.narrow(2, 0, span)[0], vbuf.narrow(2, 0, span)[0]
+                pos = torch.arange(span - t, span)
+                q = torch.randn(heads, t, dim, generator=g).transpose(0, 1)
+                x = torch.randn(t, d, generator=g)
+                att = torch.ops.mtpkit.attend_rows(q, keys, values, pos, rows)
+                want = torch.ops.mtpkit.w8a8_post(att.reshape(t, a), x, *o, ln, 1e-5, *gu, *dn,
+                                                  inter)
+                got = torch.ops.mtpkit.w8a8_attn_post(q, keys, values, pos, rows, x, *o, ln,
+                                                      1e-5, *gu, *dn, inter)
+                assert torch.equal(got, want), (n, span, t, rows)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="1 <= rows <= T"):
+        torch.ops.mtpkit.w8a8_attn_post(q, keys, values, pos, 0, x, *o, ln, 1e-5, *gu, *dn,
+                                        inter)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,rot", [(9, 3, 64, 64), (4, 2, 20, 12)])
+def test_w8a8_layer_is_pre_rotary_cache_then_attn_post(heads, kv_heads, dim, rot):
+    """mtpkit::w8a8_layer (a whole W8A8 layer in one region) gives the bits of w8a8_pre, the
+    rotary (Rotary.apply, partial too), the cache writes and w8a8_attn_post, cache included:
+    for 1-5 rows, padding rows and both thread counts."""
+    from mtpkit.models.layers import Rotary
+
+    if not int8_mm_available():
+        pytest.skip("mtpkit's kernels do not build here")
+    g = torch.Generator().manual_seed(heads + dim)
+    d, inter, a = 40, 72, heads * dim
+
+    def weight(n, k):
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        return pack_a8(codes, torch.rand(n, generator=g) * 0.02 + 0.001)
+
+    nqkv = a + 2 * kv_heads * dim
+    qkv, o, gu, dn = weight(nqkv, d), weight(d, a), weight(2 * inter, d), weight(d, inter)
+    ln1, ln2 = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+    rotary = Rotary(rot, 10000.0)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for ctx, t, rows in ((0, 1, 1), (37, 1, 1), (60, 5, 5), (99, 4, 2)):
+                cache = torch.randn(2, 1, kv_heads, 120, dim, generator=g)
+                pos = torch.arange(ctx, ctx + t)
+                span = min(120, (ctx + t + 7) // 8 * 8 + 8)
+                cos, sin = rotary.cos_sin(pos)
+                x = torch.randn(t, d, generator=g)
+                # The reference: the ops apart, the rotary and cache writes in PyTorch.
+                ref = cache.clone()
+                proj = torch.ops.mtpkit.w8a8_pre(x, ln1, 1e-5, *qkv)[:, :nqkv]
+                q, k, v = proj.split([a, kv_heads * dim, kv_heads * dim], -1)
+                q = Rotary.apply(q.view(1, t, heads, dim).transpose(1, 2), cos, sin)
+                k = Rotary.apply(k.view(1, t, kv_heads, dim).transpose(1, 2), cos, sin)
+                ref[0].index_copy_(2, pos, k)
+                ref[1].index_copy_(2, pos, v.view(1, t, kv_heads, dim).transpose(1, 2))
+                want = torch.ops.mtpkit.w8a8_attn_post(
+                    q[0].transpose(0, 1), ref[0, 0, :, :span], ref[1, 0, :, :span], pos, rows,
+                    x, *o, ln2, 1e-5, *gu, *dn, inter)
+                got = torch.ops.mtpkit.w8a8_layer(x, ln1, 1e-5, *qkv, cos, sin, cache[0],
+                                                  cache[1], pos, span, rows, heads, *o, ln2,
+                                                  1e-5, *gu, *dn, inter)
+                assert torch.equal(got, want), (n, ctx, t, rows)
+                assert torch.equal(cache, ref), (n, ctx, t, rows)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="a position past the cache"):
+        torch.ops.mtpkit.w8a8_layer(x, ln1, 1e-5, *qkv, cos, sin, cache[0], cache[1],
+                                    pos + 200, span, rows, heads, *o, ln2, 1e-5, *gu, *dn, inter)
+
+
 def _a4_float64(x, layer):
     """W4A8 from its definition: per-row int8 activations times the dequantized weight, in
     float64 (every product and group sum exact), rounded once to float32."""
@@ -361,8 +454,8 @@ def test_w4a8_kernel_is_exact_per_group_and_row_independent(n, k, group, asym, h
         torch.ops.mtpkit.int4_a8_mm(x.double(), packed, scale, zero, group or k)
 
 
-_KERNEL_TESTS = ("hand_int8_kernel or w8a8_reference or w8a8_block or w4a8_kernel or "
-                 "row_attention or argmax_rows or stacked_int8")
+_KERNEL_TESTS = ("hand_int8_kernel or w8a8_reference or w8a8_block or w8a8_attn_post or "
+                 "w8a8_layer or w4a8_kernel or row_attention or argmax_rows or stacked_int8")
 
 
 @pytest.mark.skipif(not int8_mm_available() or kernel_isa() != "avx512",

@@ -114,14 +114,9 @@ def _mlp(mlp: MLP, x: torch.Tensor, fused: nn.ModuleDict | None = None) -> torch
     return _lin(fused, "down_proj", mlp.down_proj)(F.silu(gate) * up)
 
 
-def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
-               rows: int | None = None, fused: nn.ModuleDict | None = None,
-               qkv: torch.Tensor | None = None, project: bool = True) -> torch.Tensor:
-    """GQA attention of x [1, T, D] at positions pos [T], writing the static buffers;
-    ``rows``: attend the first ``rows`` rows one query row at a time (see Programs);
-    ``fused``: q/k/v as one layer ("qkv", see Programs); ``qkv``: that layer's output
-    [1, T, Nq + 2 Nkv] already computed (x unused); ``project=False``: the heads' output
-    [1, T, H * hd] before o_proj."""
+def _qkv_cached(attn: Attention, x, cos, sin, kbuf, vbuf, pos, fused=None, qkv=None):
+    """Rotated queries [1, H, T, hd] and the output gate (or None) of x [1, T, D] (or of a
+    q/k/v layer output ``qkv``), their keys and values written to the buffers at pos."""
     b, t = (qkv if qkv is not None else x).shape[:2]
     nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     if qkv is not None:
@@ -144,6 +139,20 @@ def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
     q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
     kbuf.index_copy_(2, pos, k.to(kbuf.dtype))
     vbuf.index_copy_(2, pos, v.to(vbuf.dtype))
+    return q, gate
+
+
+def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
+               rows: int | None = None, fused: nn.ModuleDict | None = None,
+               qkv: torch.Tensor | None = None, project: bool = True) -> torch.Tensor:
+    """GQA attention of x [1, T, D] at positions pos [T], writing the static buffers;
+    ``rows``: attend the first ``rows`` rows one query row at a time (see Programs);
+    ``fused``: q/k/v as one layer ("qkv", see Programs); ``qkv``: that layer's output
+    [1, T, Nq + 2 Nkv] already computed (x unused); ``project=False``: the heads' output
+    [1, T, H * hd] before o_proj."""
+    q, gate = _qkv_cached(attn, x, cos, sin, kbuf, vbuf, pos, fused, qkv)
+    b, nh, t, hd = q.shape
+    nkv = attn.num_kv_heads
     # Only the first mask-width slots are read (the span, see Programs); query heads
     # sharing a KV head are stacked along the query axis, [1, kv, g*T, hd] against
     # [1, kv, span, hd], which reads each cached key once instead of expanding the buffer.
@@ -190,6 +199,18 @@ def w8a8_blocks_on() -> bool:
     return os.environ.get("MTPKIT_W8A8_BLOCK", "1") != "0"
 
 
+def w8a8_attn_on() -> bool:
+    """Whether fused W8A8 layers attend inside their MLP op (w8a8_attn_post);
+    MTPKIT_W8A8_ATTN=0 keeps attend_rows apart (to compare; programs are keyed on it)."""
+    return os.environ.get("MTPKIT_W8A8_ATTN", "1") != "0"
+
+
+def w8a8_layer_on() -> bool:
+    """Whether fused W8A8 layers run as one op (w8a8_layer); MTPKIT_W8A8_LAYER=0 keeps
+    w8a8_pre and w8a8_attn_post (to compare; programs are keyed on it)."""
+    return os.environ.get("MTPKIT_W8A8_LAYER", "1") != "0"
+
+
 def w8a8_block_fits(layer, fused: nn.ModuleDict | None) -> bool:
     """Whether a trunk layer can run as mtpkit's fused W8A8 ops (_w8a8_block): every GEMM
     W8A8 without bias on the CPU kernels, plain fp32 RMSNorms, ungated attention, SwiGLU."""
@@ -208,19 +229,40 @@ def w8a8_block_fits(layer, fused: nn.ModuleDict | None) -> bool:
 
 
 def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused) -> torch.Tensor:
-    # The layer as two of mtpkit's ops around the attention: input norm + q/k/v, then o_proj,
-    # residual, norm, gate/up, SiLU, down and residual in one OpenMP region (a region per
-    # GEMM let the weight stream idle between them; csrc/w8a8_block.cpp).
+    # The layer as one of mtpkit's ops, one OpenMP region (csrc/w8a8_block.cpp; a region
+    # per GEMM let the weight stream idle between them): input norm, q/k/v, rotary, cache
+    # writes, row attention, o_proj, residual, norm, gate/up, SiLU, down, residual. Layers
+    # with q/k norms (and MTPKIT_W8A8_LAYER=0) run two: w8a8_pre, then the rotary and cache
+    # writes here, then the rest in w8a8_attn_post. Each form gives the bits of the ops apart
+    # with PyTorch's rotary (tests).
     b, t, d = x.shape
     attn, mlp, qkv = layer.self_attn, layer.mlp, fused["qkv"]
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
     x2 = x.reshape(t, d)
+    mlp_ops = (ln2.weight, ln2.eps, *fused["gate_up"].a8_operands(),
+               *mlp.down_proj.a8_operands(), mlp.down_proj.in_features)
+    if (rows is not None and w8a8_attn_on() and w8a8_layer_on() and _row_kernel(x, kbuf)
+            and attn.q_norm is None):
+        # The whole layer in one region: norm, q/k/v, rotary, cache writes, attention, MLP.
+        out = torch.ops.mtpkit.w8a8_layer(
+            x2, ln1.weight, ln1.eps, *qkv.a8_operands(), cos, sin, kbuf, vbuf, pos,
+            mask.shape[-1], rows, attn.num_heads, *attn.o_proj.a8_operands(), *mlp_ops)
+        return out.view(b, t, d)
     proj = torch.ops.mtpkit.w8a8_pre(x2, ln1.weight, ln1.eps, *qkv.a8_operands())
-    heads = _attention(attn, None, cos, sin, kbuf, vbuf, pos, mask, rows,
-                       qkv=proj[:, : qkv.out_features].view(b, t, -1), project=False)
+    qkv_out = proj[:, : qkv.out_features].view(b, t, -1)
+    if rows is not None and w8a8_attn_on() and _row_kernel(qkv_out, kbuf):
+        # The attention inside the same region as the MLP (csrc/attend.h: attend_rows'
+        # passes, the same bits): one fork a layer fewer, and no op between.
+        q, _ = _qkv_cached(attn, None, cos, sin, kbuf, vbuf, pos, qkv=qkv_out)
+        span = mask.shape[-1]
+        out = torch.ops.mtpkit.w8a8_attn_post(
+            q[0].transpose(0, 1), kbuf.narrow(2, 0, span)[0], vbuf.narrow(2, 0, span)[0],
+            pos, rows, x2, *attn.o_proj.a8_operands(), *mlp_ops)
+        return out.view(b, t, d)
+    heads = _attention(attn, None, cos, sin, kbuf, vbuf, pos, mask, rows, qkv=qkv_out,
+                       project=False)
     out = torch.ops.mtpkit.w8a8_post(heads.reshape(t, -1), x2, *attn.o_proj.a8_operands(),
-                                     ln2.weight, ln2.eps, *fused["gate_up"].a8_operands(),
-                                     *mlp.down_proj.a8_operands(), mlp.down_proj.in_features)
+                                     *mlp_ops)
     return out.view(b, t, d)
 
 
@@ -500,7 +542,7 @@ def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str) -> s
 
     parts = [
         fingerprint, kind, shapes, str(k), mode, os.environ.get("MTPKIT_GEMM_BACKENDS", ""),
-        str(w8a8_blocks_on()),
+        str(w8a8_blocks_on()), str(w8a8_attn_on()), str(w8a8_layer_on()),
         torch.__version__, str(pick_vec_isa()),
         # GEMM templates are generated for the thread count in force at compile time.
         str(torch.get_num_threads()),

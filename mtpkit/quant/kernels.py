@@ -6,7 +6,9 @@ torch's inductor also needs (into ``<mtpkit cache>/ext``) and registers
 row-exact GEMM), ``int4_a8_mm`` (W4A8), ``w8a8_pre`` and ``w8a8_post`` (a W8A8
 layer's GEMMs with its norms, SiLU and residuals in one OpenMP region each), ``attend_rows`` (a
 step's query rows' attention, each row as its own one-row computation, for the compiled
-path's row-wise steps) and ``argmax_rows`` (the compiled steps' greedy pick). Where it cannot (no
+path's row-wise steps), ``w8a8_attn_post`` (that attention and ``w8a8_post`` in one region),
+``w8a8_layer`` (a whole W8A8 layer, rotary and cache writes included, in one region)
+and ``argmax_rows`` (the compiled steps' greedy pick). Where it cannot (no
 compiler, no AVX2, or ``MTPKIT_INT8_KERNEL=library``) it says why once and callers use
 torch's own kernels.
 """
@@ -26,7 +28,8 @@ import torch
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "int8_a8_mm.cpp", _CSRC / "int4_a8_mm.cpp",
             _CSRC / "w8a8_block.cpp", _CSRC / "attend_rows.cpp", _CSRC / "argmax_rows.cpp")
-_HEADERS = (_CSRC / "simd.h", _CSRC / "int8_a8.h", _CSRC / "aoti_shim.h")  # included by them
+# Included by the sources above.
+_HEADERS = (_CSRC / "simd.h", _CSRC / "int8_a8.h", _CSRC / "attend.h", _CSRC / "aoti_shim.h")
 _state: dict = {}  # "ok": bool, "why": str, once per process; "lib": the global handle
 
 
@@ -103,6 +106,8 @@ def _build() -> None:
         torch.library.register_fake(f"mtpkit::{op}")(_fake_gemm)
     torch.library.register_fake("mtpkit::w8a8_pre")(_fake_pre)
     torch.library.register_fake("mtpkit::w8a8_post")(_fake_post)
+    torch.library.register_fake("mtpkit::w8a8_attn_post")(_fake_attn_post)
+    torch.library.register_fake("mtpkit::w8a8_layer")(_fake_layer)
     torch.library.register_fake("mtpkit::attend_rows")(_fake_attend)
     torch.library.register_fake("mtpkit::argmax_rows")(_fake_argmax)
 
@@ -150,6 +155,14 @@ def _fake_post(a, x, *_):
     return x.new_empty(x.shape)
 
 
+def _fake_attn_post(q, k, v, pos, rows, x, *_):
+    return x.new_empty(x.shape)
+
+
+def _fake_layer(x, *_):
+    return x.new_empty(x.shape)
+
+
 def _fake_attend(q, k, v, pos, rows):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2])
 
@@ -161,8 +174,8 @@ def _fake_argmax(x):
 # mtpkit's ops, each with a C entry point (csrc/aoti_shim.h) taking its schema's arguments
 # in order, then the output.
 _OPS = ("int8_mm", "int8_a8_mm", "f32_mm", "int4_a8_mm", "w8a8_pre", "w8a8_post",
-        "attend_rows", "argmax_rows")
-_C_TYPES = {"Tensor": "AtenTensorHandle", "int": "int64_t", "float": "double"}
+        "w8a8_attn_post", "w8a8_layer", "attend_rows", "argmax_rows")
+_C_TYPES = {"Tensor": "AtenTensorHandle", "int": "int64_t", "SymInt": "int64_t", "float": "double"}
 
 
 def aoti_c_shims() -> dict:

@@ -14,6 +14,11 @@ inline const at::Tensor& arg(AtenTensorHandle h) {
   return *torch::aot_inductor::tensor_handle_to_tensor_pointer(h);
 }
 
+// An argument the op writes (Tensor(a!) in its schema).
+inline at::Tensor& mut(AtenTensorHandle h) {
+  return *torch::aot_inductor::tensor_handle_to_tensor_pointer(h);
+}
+
 }  // namespace mtpkit_shim
 
 // Stores the tensor `expr` evaluates to in *ret0; a c10::Error (a failed TORCH_CHECK) becomes
@@ -22,6 +27,7 @@ inline const at::Tensor& arg(AtenTensorHandle h) {
   extern "C" __attribute__((visibility("default"))) AOTITorchError                         \
       aoti_torch_cpu_##name params {                                                       \
     using mtpkit_shim::arg;                                                                \
+    using mtpkit_shim::mut;                                                                \
     AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(                                            \
         { *ret0 = torch::aot_inductor::new_tensor_handle(expr); });                        \
   }

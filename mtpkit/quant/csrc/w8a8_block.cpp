@@ -4,6 +4,12 @@
 // mtpkit::w8a8_pre(x, ln, eps, w, s, colsum) -> y = qkv(rmsnorm(x) * ln)
 // mtpkit::w8a8_post(a, x, o.., ln, eps, gate_up.., down.., inter) -> out, with
 //   h = x + o(a);  [g, u] = gate_up(rmsnorm(h) * ln);  out = h + down(silu(g) * u)
+// mtpkit::w8a8_attn_post(q, k, v, pos, rows, x, o.., ..) -> w8a8_post(attend_rows(q, k, v,
+//   pos, rows), x, o.., ..), the attention's passes (attend.h) run by the same team
+// mtpkit::w8a8_layer(x, ln1, eps1, qkv.., cos, sin, kbuf!, vbuf!, pos, span, rows, heads,
+//   o.., ..) -> the whole layer: q/k/v = w8a8_pre(x, ..), q and k rotated (Rotary.apply's
+//   half rotation, its roundings), k and v written to the caches [1, Hkv, L, hd] at pos,
+//   then w8a8_attn_post over the first span slots
 // x, a float32 [T, *]; each GEMM is int8_a8_mm's (packed weights, scales, column sums from
 // linear.pack_a8, inter = the MLP's width, gate_up's columns [0, inter) being the gate's);
 // rmsnorm(v) = v / sqrt(mean(v^2) + eps), in float32.
@@ -13,7 +19,9 @@
 // C++, streamed at the machine's read bandwidth with one region per layer and barriers
 // between its GEMMs (~90 GB/s against 72-78 for a region per GEMM). In the compiled steps
 // the gain is smaller (verification 3-7%; attention and glue remain between the regions;
-// docs/benchmarks.md, session 24).
+// docs/benchmarks.md, session 24). The whole layer in one region (w8a8_layer, session 25)
+// takes the attention's three forks and the glue between the ops out too: verification of
+// 4 rows 3-9% faster, a decode step 0-2% (the cache rows' latency stays: ~25 GB/s).
 //
 // Exactness: every output row is computed from its own input row only, in one fixed order
 // whatever the row count, the thread count or the thread split (the GEMMs' integer sums are
@@ -40,6 +48,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "attend.h"
 #include "int8_a8.h"
 #include "simd.h"
 
@@ -179,35 +188,86 @@ static at::Tensor w8a8_pre(const at::Tensor& x_, const at::Tensor& ln_, double e
   return y;
 }
 
-static at::Tensor w8a8_post(const at::Tensor& a_, const at::Tensor& x_, const at::Tensor& ow_,
-                            const at::Tensor& os_, const at::Tensor& oc_, const at::Tensor& ln_,
-                            double eps, const at::Tensor& guw_, const at::Tensor& gus_,
-                            const at::Tensor& guc_, const at::Tensor& dw_, const at::Tensor& ds_,
-                            const at::Tensor& dc_, int64_t inter) {
-  TORCH_CHECK(a_.dim() == 2 && x_.dim() == 2 && a_.size(0) == x_.size(0),
-              "w8a8_post: a [T, A] and x [T, D]");
-  const int64_t T = x_.size(0), D = x_.size(1), A = a_.size(1), I = inter;
-  check_rows(a_, A, "a");
+// w8a8_layer's first stage: the input norm and the q/k/v GEMM into yq, then each row's heads
+// rotated (q into qrot [T, H, D] for the attention, k into the cache) and v copied to it.
+struct Pre {
+  const float* x;
+  const float* ln;
+  float eps;
+  Packed w;
+  int64_t Dm;
+  const float *cos, *sin;  // [T, R]
+  int64_t R;
+  float *kb, *vb;          // the layer's caches [1, Hkv, L, D]
+  int64_t k1, k2, v1, v2;  // their head and slot strides
+  const int64_t* pos;
+  int64_t H, Hkv, D;
+  float *yq, *qrot;
+};
+
+// dst = the rotary of one head's src (HF half rotation over its first R channels; the rest
+// pass through), as Rotary.apply computes it: a product, a product and a sum, each rounded
+// (no fused multiply-add), so it gives eager PyTorch's bits.
+__attribute__((optimize("fp-contract=off"))) void rope_head(const float* src, const float* c,
+                                                           const float* sn, int64_t R, int64_t D,
+                                                           float* dst) {
+  const int64_t h = R / 2;
+  for (int64_t i = 0; i < h; i++) {
+    const float a = src[i] * c[i], b = src[i + h] * sn[i];
+    dst[i] = a - b;
+  }
+  for (int64_t i = h; i < R; i++) {
+    const float a = src[i] * c[i], b = src[i - h] * sn[i];
+    dst[i] = a + b;
+  }
+  for (int64_t i = R; i < D; i++) dst[i] = src[i];
+}
+
+// w8a8_post's work, its first GEMM's input being a [T, A] or, with ``att``, that attention's
+// output (computed by the same team first, its passes split between barriers).
+static at::Tensor post_impl(const at::Tensor* a_, mtpkit_attn::Attend* att, Pre* pre,
+                            const at::Tensor& x_,
+                            const at::Tensor& ow_, const at::Tensor& os_, const at::Tensor& oc_,
+                            const at::Tensor& ln_, double eps, const at::Tensor& guw_,
+                            const at::Tensor& gus_, const at::Tensor& guc_, const at::Tensor& dw_,
+                            const at::Tensor& ds_, const at::Tensor& dc_, int64_t inter) {
+  TORCH_CHECK(x_.dim() == 2, "w8a8_post: x must be [T, D]");
+  const int64_t T = x_.size(0), D = x_.size(1), I = inter;
+  const int64_t A = att ? att->H * att->D : a_->size(1);
+  TORCH_CHECK(att ? att->T == T : (a_->dim() == 2 && a_->size(0) == T),
+              "w8a8_post: a [T, A] (or q [T, H, hd]) and x [T, D]");
+  at::Tensor a;
+  if (!att) {
+    check_rows(*a_, A, "a");
+    a = a_->contiguous();
+  }
   check_rows(x_, D, "x");
-  const at::Tensor a = a_.contiguous(), x = x_.contiguous(), ln = contig_vec(ln_, D, "ln");
+  const at::Tensor x = x_.contiguous(), ln = contig_vec(ln_, D, "ln");
   const Packed o = packed(ow_, os_, oc_, A, "o_proj"), gu = packed(guw_, gus_, guc_, D, "gate_up"),
                dn = packed(dw_, ds_, dc_, I, "down_proj");
   TORCH_CHECK(o.N16 >= D && gu.N16 >= 2 * I && dn.N16 >= D,
               "w8a8_post: o_proj / down_proj must give D columns and gate_up 2 * inter");
   at::Tensor out = at::empty({T, D}, x.options());
-  // Shared between the threads: each GEMM's output rows, and the MLP's activations.
+  // Shared between the threads: the attention's output and scratch, each GEMM's output
+  // rows, and the MLP's activations.
   thread_local std::vector<float> shared;
+  const int64_t n_att = att ? T * A + att->scratch() : 0;
   const int64_t n_o = T * o.N16, n_gu = T * gu.N16, n_dn = T * dn.N16, n_act = T * I;
-  if ((int64_t)shared.size() < n_o + n_gu + n_dn + n_act) shared.resize(n_o + n_gu + n_dn + n_act);
-  float* yo = shared.data();
+  const int64_t n_all = n_att + n_o + n_gu + n_dn + n_act;
+  if ((int64_t)shared.size() < n_all) shared.resize(n_all);
+  float* yo = shared.data() + n_att;
   float* ygu = yo + n_o;
   float* ydn = ygu + n_gu;
   float* act = ydn + n_dn;
+  if (att) {
+    att->op = shared.data();
+    att->use(shared.data() + T * A);
+  }
   const int nt = team();
   auto& sc = scratch(nt);
-  const int64_t K4max = std::max({o.K4, gu.K4, dn.K4});
+  const int64_t K4max = std::max({o.K4, gu.K4, dn.K4, pre ? pre->w.K4 : int64_t(0)});
   for (auto& s : sc) s.fit(2 * T * D + T * I, T * K4max, T);
-  const float* ap = a.data_ptr<float>();
+  const float* ap = att ? shared.data() : a.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const float* lnp = ln.data_ptr<float>();
   float* outp = out.data_ptr<float>();
@@ -217,6 +277,45 @@ static at::Tensor w8a8_post(const at::Tensor& a_, const at::Tensor& x_, const at
     Scratch& s = sc[t];
     float* h = s.f.data();  // [T, D]: x + o(a), this thread's copy
     float* hn = h + T * D;  // [T, D]: its norm
+    if (pre) {
+      for (int64_t m = 0; m < T; m++)
+        rmsnorm_row(pre->x + m * pre->Dm, pre->ln, pre->eps, pre->Dm, hn + m * pre->Dm);
+      quantize_rows(hn, T, pre->Dm, s.q.data(), s.xs.data(), pre->w.K4, kFlip);
+      gemm_share(s.q.data(), s.xs.data(), T, pre->w, pre->yq, t, nt);
+#pragma omp barrier
+      // Every row's heads, padding rows too (their cache slots are written before any read).
+      const int64_t per = pre->H + 2 * pre->Hkv, n = T * per, Dh = pre->D;
+      for (int64_t item = n * t / nt; item < n * (t + 1) / nt; item++) {
+        const int64_t m = item / per, c = item % per;
+        const float* row = pre->yq + m * pre->w.N16 + c * Dh;
+        const float* cs = pre->cos + m * pre->R;
+        const float* sn = pre->sin + m * pre->R;
+        if (c < pre->H)
+          rope_head(row, cs, sn, pre->R, Dh, pre->qrot + (m * pre->H + c) * Dh);
+        else if (c < pre->H + pre->Hkv)
+          rope_head(row, cs, sn, pre->R, Dh,
+                    pre->kb + (c - pre->H) * pre->k1 + pre->pos[m] * pre->k2);
+        else
+          std::copy(row, row + Dh,
+                    pre->vb + (c - pre->H - pre->Hkv) * pre->v1 + pre->pos[m] * pre->v2);
+      }
+#pragma omp barrier
+    }
+    if (att) {
+      // Even splits of each pass's items: inside the region a split costs a barrier, not a
+      // fork, so even a short span's work is shared.
+      const int64_t n1 = att->items1(), n2 = att->items2(), n3 = att->items3();
+      att->pass1(n1 * t / nt, n1 * (t + 1) / nt);
+#pragma omp barrier
+      att->pass2(n2 * t / nt, n2 * (t + 1) / nt);
+#pragma omp barrier
+      att->pass3(n3 * t / nt, n3 * (t + 1) / nt);
+#pragma omp barrier
+      if (att->rows < T) {
+        if (t == 0) att->pad_rows();
+#pragma omp barrier
+      }
+    }
     quantize_rows(ap, T, A, s.q.data(), s.xs.data(), o.K4, kFlip);
     gemm_share(s.q.data(), s.xs.data(), T, o, yo, t, nt);
 #pragma omp barrier
@@ -243,6 +342,74 @@ static at::Tensor w8a8_post(const at::Tensor& a_, const at::Tensor& x_, const at
   return out;
 }
 
+static at::Tensor w8a8_post(const at::Tensor& a, const at::Tensor& x, const at::Tensor& ow,
+                            const at::Tensor& os, const at::Tensor& oc, const at::Tensor& ln,
+                            double eps, const at::Tensor& guw, const at::Tensor& gus,
+                            const at::Tensor& guc, const at::Tensor& dw, const at::Tensor& ds,
+                            const at::Tensor& dc, int64_t inter) {
+  return post_impl(&a, nullptr, nullptr, x, ow, os, oc, ln, eps, guw, gus, guc, dw, ds, dc,
+                   inter);
+}
+
+static at::Tensor w8a8_attn_post(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& pos, int64_t rows, const at::Tensor& x,
+                                 const at::Tensor& ow, const at::Tensor& os, const at::Tensor& oc,
+                                 const at::Tensor& ln, double eps, const at::Tensor& guw,
+                                 const at::Tensor& gus, const at::Tensor& guc, const at::Tensor& dw,
+                                 const at::Tensor& ds, const at::Tensor& dc, int64_t inter) {
+  mtpkit_attn::Attend att(q, k, v, pos, rows);
+  return post_impl(nullptr, &att, nullptr, x, ow, os, oc, ln, eps, guw, gus, guc, dw, ds, dc,
+                   inter);
+}
+
+static at::Tensor w8a8_layer(const at::Tensor& x_, const at::Tensor& ln1_, double eps1,
+                             const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qc,
+                             const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor& kbuf,
+                             at::Tensor& vbuf, const at::Tensor& pos_, int64_t span, int64_t rows,
+                             int64_t heads, const at::Tensor& ow, const at::Tensor& os,
+                             const at::Tensor& oc, const at::Tensor& ln2, double eps2,
+                             const at::Tensor& guw, const at::Tensor& gus, const at::Tensor& guc,
+                             const at::Tensor& dw, const at::Tensor& ds, const at::Tensor& dc,
+                             int64_t inter) {
+  TORCH_CHECK(x_.dim() == 2, "w8a8_layer: x must be [T, D]");
+  const int64_t T = x_.size(0), Dm = x_.size(1);
+  check_rows(x_, Dm, "x");
+  const at::Tensor x = x_.contiguous(), ln1 = contig_vec(ln1_, Dm, "ln");
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.size(0) == 1 && kbuf.sizes() == vbuf.sizes() &&
+                  kbuf.scalar_type() == at::kFloat && vbuf.scalar_type() == at::kFloat &&
+                  kbuf.stride(3) == 1 && vbuf.stride(3) == 1,
+              "w8a8_layer: caches must be float32 [1, Hkv, L, hd] with contiguous rows");
+  const int64_t Hkv = kbuf.size(1), L = kbuf.size(2), D = kbuf.size(3), H = heads;
+  TORCH_CHECK(H > 0 && H % Hkv == 0 && span >= 1 && span <= L,
+              "w8a8_layer: heads a multiple of the KV heads, 1 <= span <= cache length");
+  const Packed w = packed(qw, qs, qc, Dm, "q/k/v");
+  TORCH_CHECK(w.N16 >= (H + 2 * Hkv) * D, "w8a8_layer: q/k/v gives fewer than (H + 2 Hkv) hd columns");
+  const at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous();
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T &&
+                  cos.size(1) % 2 == 0 && cos.size(1) <= D && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat,
+              "w8a8_layer: cos/sin must be float32 [T, R], R even and at most hd");
+  const at::Tensor pos = pos_.contiguous();
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == T && pos.scalar_type() == at::kLong,
+              "w8a8_layer: pos must be int64 [T]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t j = 0; j < T; j++)
+    TORCH_CHECK(pp[j] >= 0 && pp[j] < L, "w8a8_layer: a position past the cache");
+  // The q/k/v rows and the rotated queries, for this call (the attention plan reads qrot).
+  thread_local std::vector<float> qbuf;
+  if ((int64_t)qbuf.size() < T * w.N16 + T * H * D) qbuf.resize(T * w.N16 + T * H * D);
+  float* qrot = qbuf.data() + T * w.N16;
+  const at::Tensor q = at::from_blob(qrot, {T, H, D}, x.options());
+  mtpkit_attn::Attend att(q, kbuf.select(0, 0).narrow(1, 0, span),
+                          vbuf.select(0, 0).narrow(1, 0, span), pos, rows);
+  Pre pre{x.data_ptr<float>(), ln1.data_ptr<float>(), float(eps1), w, Dm,
+          cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1),
+          kbuf.data_ptr<float>(), vbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
+          vbuf.stride(1), vbuf.stride(2), pp, H, Hkv, D, qbuf.data(), qrot};
+  return post_impl(nullptr, &att, &pre, x, ow, os, oc, ln2, eps2, guw, gus, guc, dw, ds, dc,
+                   inter);
+}
+
 #else
 static at::Tensor w8a8_pre(const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
                            const at::Tensor&, const at::Tensor&) {
@@ -254,6 +421,22 @@ static at::Tensor w8a8_post(const at::Tensor&, const at::Tensor&, const at::Tens
                             const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "w8a8_post was built without AVX2/FMA");
 }
+static at::Tensor w8a8_attn_post(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "w8a8_attn_post was built without AVX2/FMA");
+}
+static at::Tensor w8a8_layer(const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                             int64_t, int64_t, int64_t, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "w8a8_layer was built without AVX2/FMA");
+}
 #endif
 
 TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
@@ -261,10 +444,21 @@ TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
   m.def("w8a8_post(Tensor a, Tensor x, Tensor o_w, Tensor o_s, Tensor o_colsum, Tensor ln, "
         "float eps, Tensor gu_w, Tensor gu_s, Tensor gu_colsum, Tensor down_w, Tensor down_s, "
         "Tensor down_colsum, int inter) -> Tensor");
+  m.def("w8a8_attn_post(Tensor q, Tensor k, Tensor v, Tensor pos, int rows, Tensor x, "
+        "Tensor o_w, Tensor o_s, Tensor o_colsum, Tensor ln, float eps, Tensor gu_w, "
+        "Tensor gu_s, Tensor gu_colsum, Tensor down_w, Tensor down_s, Tensor down_colsum, "
+        "int inter) -> Tensor");
+  m.def("w8a8_layer(Tensor x, Tensor ln1, float eps1, Tensor qkv_w, Tensor qkv_s, "
+        "Tensor qkv_colsum, Tensor cos, Tensor sin, Tensor(a!) kbuf, Tensor(b!) vbuf, "
+        "Tensor pos, SymInt span, int rows, int heads, Tensor o_w, Tensor o_s, Tensor o_colsum, "
+        "Tensor ln2, float eps2, Tensor gu_w, Tensor gu_s, Tensor gu_colsum, Tensor down_w, "
+        "Tensor down_s, Tensor down_colsum, int inter) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(mtpkit, CPU, m) {
   m.impl("w8a8_pre", &w8a8_pre);
   m.impl("w8a8_post", &w8a8_post);
+  m.impl("w8a8_attn_post", &w8a8_attn_post);
+  m.impl("w8a8_layer", &w8a8_layer);
 }
 
 MTPKIT_AOTI_SHIM(w8a8_pre,
@@ -280,3 +474,28 @@ MTPKIT_AOTI_SHIM(w8a8_post,
                  w8a8_post(arg(a), arg(x), arg(o_w), arg(o_s), arg(o_colsum), arg(ln), eps,
                            arg(gu_w), arg(gu_s), arg(gu_colsum), arg(down_w), arg(down_s),
                            arg(down_colsum), inter))
+MTPKIT_AOTI_SHIM(w8a8_attn_post,
+                 (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle pos,
+                  int64_t rows, AtenTensorHandle x, AtenTensorHandle o_w, AtenTensorHandle o_s,
+                  AtenTensorHandle o_colsum, AtenTensorHandle ln, double eps,
+                  AtenTensorHandle gu_w, AtenTensorHandle gu_s, AtenTensorHandle gu_colsum,
+                  AtenTensorHandle down_w, AtenTensorHandle down_s, AtenTensorHandle down_colsum,
+                  int64_t inter, AtenTensorHandle* ret0),
+                 w8a8_attn_post(arg(q), arg(k), arg(v), arg(pos), rows, arg(x), arg(o_w),
+                                arg(o_s), arg(o_colsum), arg(ln), eps, arg(gu_w), arg(gu_s),
+                                arg(gu_colsum), arg(down_w), arg(down_s), arg(down_colsum),
+                                inter))
+MTPKIT_AOTI_SHIM(w8a8_layer,
+                 (AtenTensorHandle x, AtenTensorHandle ln1, double eps1, AtenTensorHandle qkv_w,
+                  AtenTensorHandle qkv_s, AtenTensorHandle qkv_colsum, AtenTensorHandle cos,
+                  AtenTensorHandle sin, AtenTensorHandle kbuf, AtenTensorHandle vbuf,
+                  AtenTensorHandle pos, int64_t span, int64_t rows, int64_t heads,
+                  AtenTensorHandle o_w, AtenTensorHandle o_s, AtenTensorHandle o_colsum,
+                  AtenTensorHandle ln2, double eps2, AtenTensorHandle gu_w, AtenTensorHandle gu_s,
+                  AtenTensorHandle gu_colsum, AtenTensorHandle down_w, AtenTensorHandle down_s,
+                  AtenTensorHandle down_colsum, int64_t inter, AtenTensorHandle* ret0),
+                 w8a8_layer(arg(x), arg(ln1), eps1, arg(qkv_w), arg(qkv_s), arg(qkv_colsum),
+                            arg(cos), arg(sin), mut(kbuf), mut(vbuf), arg(pos), span, rows,
+                            heads, arg(o_w), arg(o_s), arg(o_colsum), arg(ln2), eps2, arg(gu_w),
+                            arg(gu_s), arg(gu_colsum), arg(down_w), arg(down_s),
+                            arg(down_colsum), inter))
