@@ -345,7 +345,7 @@ def test_w8a8_attn_post_is_attend_rows_then_w8a8_post(heads, kv_heads, dim):
                 assert torch.equal(got, want), (n, span, t, rows)
     finally:
         torch.set_num_threads(threads)
-    with pytest.raises(RuntimeError, match="1 <= rows <= T"):
+    with pytest.raises(RuntimeError, match="w8a8_attn_post: 1 <= rows <= T"):
         torch.ops.mtpkit.w8a8_attn_post(q, keys, values, pos, 0, x, *o, ln, 1e-5, *gu, *dn,
                                         inter)
 
@@ -401,6 +401,13 @@ def test_w8a8_layer_is_pre_rotary_cache_then_attn_post(heads, kv_heads, dim, rot
     with pytest.raises(RuntimeError, match="a position past the cache"):
         torch.ops.mtpkit.w8a8_layer(x, ln1, 1e-5, *qkv, cos, sin, cache[0], cache[1],
                                     pos + 200, span, rows, heads, *o, ln2, 1e-5, *gu, *dn, inter)
+    empty = torch.zeros(1, 0, 120, dim)
+    with pytest.raises(RuntimeError, match="heads a multiple of the KV heads"):
+        torch.ops.mtpkit.w8a8_layer(x, ln1, 1e-5, *qkv, cos, sin, empty, empty.clone(), pos,
+                                    span, rows, heads, *o, ln2, 1e-5, *gu, *dn, inter)
+    with pytest.raises(RuntimeError, match="w8a8_layer: 1 <= rows <= T"):
+        torch.ops.mtpkit.w8a8_layer(x, ln1, 1e-5, *qkv, cos, sin, cache[0], cache[1], pos,
+                                    span, 0, heads, *o, ln2, 1e-5, *gu, *dn, inter)
 
 
 def _a4_float64(x, layer):

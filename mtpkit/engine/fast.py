@@ -200,8 +200,9 @@ def w8a8_blocks_on() -> bool:
 
 
 def w8a8_attn_on() -> bool:
-    """Whether fused W8A8 layers attend inside their MLP op (w8a8_attn_post);
-    MTPKIT_W8A8_ATTN=0 keeps attend_rows apart (to compare; programs are keyed on it)."""
+    """Whether fused W8A8 layers attend inside one of their ops (w8a8_layer or
+    w8a8_attn_post); MTPKIT_W8A8_ATTN=0 keeps attend_rows apart, w8a8_layer off too (to
+    compare; programs are keyed on it)."""
     return os.environ.get("MTPKIT_W8A8_ATTN", "1") != "0"
 
 
@@ -341,7 +342,7 @@ class Programs(nn.Module):
                                            block.self_attn.v_proj])),
                     ("gate_up", stack_outputs([block.mlp.gate_proj, block.mlp.up_proj])))
                 if layer is not None}) for block in model.model.layers)
-        # W8A8 layers on mtpkit's kernels run as two fused ops each (_w8a8_block).
+        # W8A8 layers on mtpkit's kernels run as fused ops (_w8a8_block).
         fuse = w8a8_blocks_on()
         layers = model.model.layers
         per_layer = self.fused if self.fused is not None else [None] * len(layers)

@@ -1,7 +1,7 @@
 // The row-wise attention of attend_rows.cpp (its header gives the maths and why it is
 // written by hand), as a plan whose three passes any split of their items can run: through
 // at::parallel_for (attend_rows) or by the threads of a caller's OpenMP region between its
-// barriers (w8a8_block.cpp's w8a8_attn_post). An item's arithmetic does not depend on the
+// barriers (w8a8_block.cpp's w8a8_attn_post and w8a8_layer). An item's arithmetic does not depend on the
 // split, so both give the same bits.
 #pragma once
 
@@ -184,26 +184,26 @@ struct Attend {
 
   // Checks the operands and plans a call; then ``op`` and ``use(scratch() floats)``.
   Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos_,
-         int64_t rows_) {
+         int64_t rows_, const char* op = "attend_rows") {
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
-                "attend_rows: q [T,H,D], k/v [Hkv,S,D]");
+                op, ": q [T,H,D], k/v [Hkv,S,D]");
     TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                     v.scalar_type() == at::kFloat && pos_.scalar_type() == at::kLong,
-                "attend_rows: float32 q/k/v, int64 pos");
+                op, ": float32 q/k/v, int64 pos");
     T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
     TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D && Hkv > 0 && H % Hkv == 0,
-                "attend_rows: shapes differ");
-    TORCH_CHECK(pos_.dim() == 1 && pos_.size(0) == T, "attend_rows: pos [T]");
-    TORCH_CHECK(rows_ >= 1 && rows_ <= T, "attend_rows: 1 <= rows <= T");
+                op, ": shapes differ");
+    TORCH_CHECK(pos_.dim() == 1 && pos_.size(0) == T, op, ": pos [T]");
+    TORCH_CHECK(rows_ >= 1 && rows_ <= T, op, ": 1 <= rows <= T");
     TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
-                "attend_rows: q/k/v need contiguous rows");
+                op, ": q/k/v need contiguous rows");
     rows = rows_;
     const at::Tensor pos = pos_.contiguous();
     const int64_t* pp = pos.data_ptr<int64_t>();
     span.resize(rows);
     pmax = 0;
     for (int64_t j = 0; j < rows; j++) {
-      TORCH_CHECK(pp[j] >= 0, "attend_rows: negative position");
+      TORCH_CHECK(pp[j] >= 0, op, ": negative position");
       span[j] = std::min(pp[j] + 1, S);
       pmax = std::max(pmax, span[j]);
     }

@@ -21,7 +21,7 @@
 // the gain is smaller (verification 3-7%; attention and glue remain between the regions;
 // docs/benchmarks.md, session 24). The whole layer in one region (w8a8_layer, session 25)
 // takes the attention's three forks and the glue between the ops out too: verification of
-// 4 rows 3-9% faster, a decode step 0-2% (the cache rows' latency stays: ~25 GB/s).
+// 4 rows 3-9% faster, a decode step 0-4% (the cache rows' latency stays: ~25 GB/s).
 //
 // Exactness: every output row is computed from its own input row only, in one fixed order
 // whatever the row count, the thread count or the thread split (the GEMMs' integer sums are
@@ -180,10 +180,12 @@ static at::Tensor w8a8_pre(const at::Tensor& x_, const at::Tensor& ln_, double e
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     const int t = omp_get_thread_num();
+    // The team OpenMP gave (num_threads is a request): every share is split by it.
+    const int nth = omp_get_num_threads();
     Scratch& s = sc[t];
     for (int64_t m = 0; m < T; m++) rmsnorm_row(xp + m * D, lnp, float(eps), D, s.f.data() + m * D);
     quantize_rows(s.f.data(), T, D, s.q.data(), s.xs.data(), w.K4, kFlip);
-    gemm_share(s.q.data(), s.xs.data(), T, w, yp, t, nt);
+    gemm_share(s.q.data(), s.xs.data(), T, w, yp, t, nth);
   }
   return y;
 }
@@ -208,7 +210,7 @@ struct Pre {
 // dst = the rotary of one head's src (HF half rotation over its first R channels; the rest
 // pass through), as Rotary.apply computes it: a product, a product and a sum, each rounded
 // (no fused multiply-add), so it gives eager PyTorch's bits.
-__attribute__((optimize("fp-contract=off"))) void rope_head(const float* src, const float* c,
+__attribute__((optimize("fp-contract=off"))) static void rope_head(const float* src, const float* c,
                                                            const float* sn, int64_t R, int64_t D,
                                                            float* dst) {
   const int64_t h = R / 2;
@@ -225,28 +227,28 @@ __attribute__((optimize("fp-contract=off"))) void rope_head(const float* src, co
 
 // w8a8_post's work, its first GEMM's input being a [T, A] or, with ``att``, that attention's
 // output (computed by the same team first, its passes split between barriers).
-static at::Tensor post_impl(const at::Tensor* a_, mtpkit_attn::Attend* att, Pre* pre,
-                            const at::Tensor& x_,
+static at::Tensor post_impl(const char* op, const at::Tensor* a_, mtpkit_attn::Attend* att,
+                            Pre* pre, const at::Tensor& x_,
                             const at::Tensor& ow_, const at::Tensor& os_, const at::Tensor& oc_,
                             const at::Tensor& ln_, double eps, const at::Tensor& guw_,
                             const at::Tensor& gus_, const at::Tensor& guc_, const at::Tensor& dw_,
                             const at::Tensor& ds_, const at::Tensor& dc_, int64_t inter) {
-  TORCH_CHECK(x_.dim() == 2, "w8a8_post: x must be [T, D]");
+  TORCH_CHECK(x_.dim() == 2, op, ": x must be [T, D]");
   const int64_t T = x_.size(0), D = x_.size(1), I = inter;
+  TORCH_CHECK(att ? att->T == T : (a_->dim() == 2 && a_->size(0) == T), op,
+              att ? ": q [T, H, hd] and x [T, D]" : ": a [T, A] and x [T, D]");
   const int64_t A = att ? att->H * att->D : a_->size(1);
-  TORCH_CHECK(att ? att->T == T : (a_->dim() == 2 && a_->size(0) == T),
-              "w8a8_post: a [T, A] (or q [T, H, hd]) and x [T, D]");
   at::Tensor a;
   if (!att) {
     check_rows(*a_, A, "a");
     a = a_->contiguous();
   }
   check_rows(x_, D, "x");
-  const at::Tensor x = x_.contiguous(), ln = contig_vec(ln_, D, "ln");
+  const at::Tensor x = x_.contiguous(), ln = contig_vec(ln_, D, pre ? "ln2" : "ln");
   const Packed o = packed(ow_, os_, oc_, A, "o_proj"), gu = packed(guw_, gus_, guc_, D, "gate_up"),
                dn = packed(dw_, ds_, dc_, I, "down_proj");
   TORCH_CHECK(o.N16 >= D && gu.N16 >= 2 * I && dn.N16 >= D,
-              "w8a8_post: o_proj / down_proj must give D columns and gate_up 2 * inter");
+              op, ": o_proj / down_proj must give D columns and gate_up 2 * inter");
   at::Tensor out = at::empty({T, D}, x.options());
   // Shared between the threads: the attention's output and scratch, each GEMM's output
   // rows, and the MLP's activations.
@@ -274,6 +276,8 @@ static at::Tensor post_impl(const at::Tensor* a_, mtpkit_attn::Attend* att, Pre*
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     const int t = omp_get_thread_num();
+    // The team OpenMP gave (num_threads is a request): every share is split by it.
+    const int nth = omp_get_num_threads();
     Scratch& s = sc[t];
     float* h = s.f.data();  // [T, D]: x + o(a), this thread's copy
     float* hn = h + T * D;  // [T, D]: its norm
@@ -281,11 +285,11 @@ static at::Tensor post_impl(const at::Tensor* a_, mtpkit_attn::Attend* att, Pre*
       for (int64_t m = 0; m < T; m++)
         rmsnorm_row(pre->x + m * pre->Dm, pre->ln, pre->eps, pre->Dm, hn + m * pre->Dm);
       quantize_rows(hn, T, pre->Dm, s.q.data(), s.xs.data(), pre->w.K4, kFlip);
-      gemm_share(s.q.data(), s.xs.data(), T, pre->w, pre->yq, t, nt);
+      gemm_share(s.q.data(), s.xs.data(), T, pre->w, pre->yq, t, nth);
 #pragma omp barrier
       // Every row's heads, padding rows too (their cache slots are written before any read).
       const int64_t per = pre->H + 2 * pre->Hkv, n = T * per, Dh = pre->D;
-      for (int64_t item = n * t / nt; item < n * (t + 1) / nt; item++) {
+      for (int64_t item = n * t / nth; item < n * (t + 1) / nth; item++) {
         const int64_t m = item / per, c = item % per;
         const float* row = pre->yq + m * pre->w.N16 + c * Dh;
         const float* cs = pre->cos + m * pre->R;
@@ -305,11 +309,11 @@ static at::Tensor post_impl(const at::Tensor* a_, mtpkit_attn::Attend* att, Pre*
       // Even splits of each pass's items: inside the region a split costs a barrier, not a
       // fork, so even a short span's work is shared.
       const int64_t n1 = att->items1(), n2 = att->items2(), n3 = att->items3();
-      att->pass1(n1 * t / nt, n1 * (t + 1) / nt);
+      att->pass1(n1 * t / nth, n1 * (t + 1) / nth);
 #pragma omp barrier
-      att->pass2(n2 * t / nt, n2 * (t + 1) / nt);
+      att->pass2(n2 * t / nth, n2 * (t + 1) / nth);
 #pragma omp barrier
-      att->pass3(n3 * t / nt, n3 * (t + 1) / nt);
+      att->pass3(n3 * t / nth, n3 * (t + 1) / nth);
 #pragma omp barrier
       if (att->rows < T) {
         if (t == 0) att->pad_rows();
@@ -317,24 +321,24 @@ static at::Tensor post_impl(const at::Tensor* a_, mtpkit_attn::Attend* att, Pre*
       }
     }
     quantize_rows(ap, T, A, s.q.data(), s.xs.data(), o.K4, kFlip);
-    gemm_share(s.q.data(), s.xs.data(), T, o, yo, t, nt);
+    gemm_share(s.q.data(), s.xs.data(), T, o, yo, t, nth);
 #pragma omp barrier
     for (int64_t m = 0; m < T; m++) {
       for (int64_t k = 0; k < D; k++) h[m * D + k] = xp[m * D + k] + yo[m * o.N16 + k];
       rmsnorm_row(h + m * D, lnp, float(eps), D, hn + m * D);
     }
     quantize_rows(hn, T, D, s.q.data(), s.xs.data(), gu.K4, kFlip);
-    gemm_share(s.q.data(), s.xs.data(), T, gu, ygu, t, nt);
+    gemm_share(s.q.data(), s.xs.data(), T, gu, ygu, t, nth);
 #pragma omp barrier
     // The activations split by column, then every thread quantizes whole rows.
-    const int64_t i0 = I * t / nt, i1 = I * (t + 1) / nt;
+    const int64_t i0 = I * t / nth, i1 = I * (t + 1) / nth;
     for (int64_t m = 0; m < T; m++)
       silu_mul(ygu + m * gu.N16, ygu + m * gu.N16 + I, act + m * I, i0, i1);
 #pragma omp barrier
     quantize_rows(act, T, I, s.q.data(), s.xs.data(), dn.K4, kFlip);
-    gemm_share(s.q.data(), s.xs.data(), T, dn, ydn, t, nt);
+    gemm_share(s.q.data(), s.xs.data(), T, dn, ydn, t, nth);
     int64_t b0, b1;
-    share(dn.N16, t, nt, b0, b1);
+    share(dn.N16, t, nth, b0, b1);
     const int64_t c1 = std::min(D, 16 * b1);
     for (int64_t m = 0; m < T; m++)
       for (int64_t k = 16 * b0; k < c1; k++) outp[m * D + k] = h[m * D + k] + ydn[m * dn.N16 + k];
@@ -347,7 +351,7 @@ static at::Tensor w8a8_post(const at::Tensor& a, const at::Tensor& x, const at::
                             double eps, const at::Tensor& guw, const at::Tensor& gus,
                             const at::Tensor& guc, const at::Tensor& dw, const at::Tensor& ds,
                             const at::Tensor& dc, int64_t inter) {
-  return post_impl(&a, nullptr, nullptr, x, ow, os, oc, ln, eps, guw, gus, guc, dw, ds, dc,
+  return post_impl("w8a8_post", &a, nullptr, nullptr, x, ow, os, oc, ln, eps, guw, gus, guc, dw, ds, dc,
                    inter);
 }
 
@@ -357,8 +361,8 @@ static at::Tensor w8a8_attn_post(const at::Tensor& q, const at::Tensor& k, const
                                  const at::Tensor& ln, double eps, const at::Tensor& guw,
                                  const at::Tensor& gus, const at::Tensor& guc, const at::Tensor& dw,
                                  const at::Tensor& ds, const at::Tensor& dc, int64_t inter) {
-  mtpkit_attn::Attend att(q, k, v, pos, rows);
-  return post_impl(nullptr, &att, nullptr, x, ow, os, oc, ln, eps, guw, gus, guc, dw, ds, dc,
+  mtpkit_attn::Attend att(q, k, v, pos, rows, "w8a8_attn_post");
+  return post_impl("w8a8_attn_post", nullptr, &att, nullptr, x, ow, os, oc, ln, eps, guw, gus, guc, dw, ds, dc,
                    inter);
 }
 
@@ -374,13 +378,13 @@ static at::Tensor w8a8_layer(const at::Tensor& x_, const at::Tensor& ln1_, doubl
   TORCH_CHECK(x_.dim() == 2, "w8a8_layer: x must be [T, D]");
   const int64_t T = x_.size(0), Dm = x_.size(1);
   check_rows(x_, Dm, "x");
-  const at::Tensor x = x_.contiguous(), ln1 = contig_vec(ln1_, Dm, "ln");
+  const at::Tensor x = x_.contiguous(), ln1 = contig_vec(ln1_, Dm, "ln1");
   TORCH_CHECK(kbuf.dim() == 4 && kbuf.size(0) == 1 && kbuf.sizes() == vbuf.sizes() &&
                   kbuf.scalar_type() == at::kFloat && vbuf.scalar_type() == at::kFloat &&
                   kbuf.stride(3) == 1 && vbuf.stride(3) == 1,
               "w8a8_layer: caches must be float32 [1, Hkv, L, hd] with contiguous rows");
   const int64_t Hkv = kbuf.size(1), L = kbuf.size(2), D = kbuf.size(3), H = heads;
-  TORCH_CHECK(H > 0 && H % Hkv == 0 && span >= 1 && span <= L,
+  TORCH_CHECK(Hkv > 0 && H > 0 && H % Hkv == 0 && span >= 1 && span <= L,
               "w8a8_layer: heads a multiple of the KV heads, 1 <= span <= cache length");
   const Packed w = packed(qw, qs, qc, Dm, "q/k/v");
   TORCH_CHECK(w.N16 >= (H + 2 * Hkv) * D, "w8a8_layer: q/k/v gives fewer than (H + 2 Hkv) hd columns");
@@ -401,12 +405,12 @@ static at::Tensor w8a8_layer(const at::Tensor& x_, const at::Tensor& ln1_, doubl
   float* qrot = qbuf.data() + T * w.N16;
   const at::Tensor q = at::from_blob(qrot, {T, H, D}, x.options());
   mtpkit_attn::Attend att(q, kbuf.select(0, 0).narrow(1, 0, span),
-                          vbuf.select(0, 0).narrow(1, 0, span), pos, rows);
+                          vbuf.select(0, 0).narrow(1, 0, span), pos, rows, "w8a8_layer");
   Pre pre{x.data_ptr<float>(), ln1.data_ptr<float>(), float(eps1), w, Dm,
           cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1),
           kbuf.data_ptr<float>(), vbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
           vbuf.stride(1), vbuf.stride(2), pp, H, Hkv, D, qbuf.data(), qrot};
-  return post_impl(nullptr, &att, &pre, x, ow, os, oc, ln2, eps2, guw, gus, guc, dw, ds, dc,
+  return post_impl("w8a8_layer", nullptr, &att, &pre, x, ow, os, oc, ln2, eps2, guw, gus, guc, dw, ds, dc,
                    inter);
 }
 
