@@ -136,6 +136,17 @@ struct Scratch {
   }
 };
 
+constexpr uint8_t kFlip = MTPKIT_VNNI ? 0x80 : 0;  // a8_rows' activation form
+
+// rmsnorm(x) * ln of T rows of D into buf, quantized into s, against this thread's columns
+// of w -> y (w8a8_pre's work, and w8a8_layer's first stage).
+void norm_gemm_share(const float* x, const float* ln, float eps, int64_t T, int64_t D,
+                     const Packed& w, float* y, Scratch& s, float* buf, int t, int nt) {
+  for (int64_t m = 0; m < T; m++) rmsnorm_row(x + m * D, ln, eps, D, buf + m * D);
+  quantize_rows(buf, T, D, s.q.data(), s.xs.data(), w.K4, kFlip);
+  gemm_share(s.q.data(), s.xs.data(), T, w, y, t, nt);
+}
+
 std::vector<Scratch>& scratch(int nt) {
   thread_local std::vector<Scratch> s;  // the calling thread's; its team writes into it
   if ((int)s.size() < nt) s.resize(nt);
@@ -147,8 +158,6 @@ int team() {
   // thread alone, as at::parallel_for would run it.
   return omp_in_parallel() ? 1 : std::max(1, at::get_num_threads());
 }
-
-constexpr uint8_t kFlip = MTPKIT_VNNI ? 0x80 : 0;  // a8_rows' activation form
 
 void check_rows(const at::Tensor& x, int64_t D, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == D,
@@ -183,9 +192,7 @@ static at::Tensor w8a8_pre(const at::Tensor& x_, const at::Tensor& ln_, double e
     // The team OpenMP gave (num_threads is a request): every share is split by it.
     const int nth = omp_get_num_threads();
     Scratch& s = sc[t];
-    for (int64_t m = 0; m < T; m++) rmsnorm_row(xp + m * D, lnp, float(eps), D, s.f.data() + m * D);
-    quantize_rows(s.f.data(), T, D, s.q.data(), s.xs.data(), w.K4, kFlip);
-    gemm_share(s.q.data(), s.xs.data(), T, w, yp, t, nth);
+    norm_gemm_share(xp, lnp, float(eps), T, D, w, yp, s, s.f.data(), t, nth);
   }
   return y;
 }
@@ -282,10 +289,7 @@ static at::Tensor post_impl(const char* op, const at::Tensor* a_, mtpkit_attn::A
     float* h = s.f.data();  // [T, D]: x + o(a), this thread's copy
     float* hn = h + T * D;  // [T, D]: its norm
     if (pre) {
-      for (int64_t m = 0; m < T; m++)
-        rmsnorm_row(pre->x + m * pre->Dm, pre->ln, pre->eps, pre->Dm, hn + m * pre->Dm);
-      quantize_rows(hn, T, pre->Dm, s.q.data(), s.xs.data(), pre->w.K4, kFlip);
-      gemm_share(s.q.data(), s.xs.data(), T, pre->w, pre->yq, t, nth);
+      norm_gemm_share(pre->x, pre->ln, pre->eps, T, pre->Dm, pre->w, pre->yq, s, hn, t, nth);
 #pragma omp barrier
       // Every row's heads, padding rows too (their cache slots are written before any read).
       const int64_t per = pre->H + 2 * pre->Hkv, n = T * per, Dh = pre->D;
