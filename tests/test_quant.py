@@ -152,8 +152,8 @@ def test_row_attention_kernel_matches_sdpa(heads, kv_heads, dim):
     float64 SDPA with the mask the fast path builds; spans narrowed from a larger buffer,
     positions before, at and past the span's end, lengths off the 8-lane grid; every row of a
     multi-row call bit for bit the one-row call (a verified row is a decode step's row);
-    padding rows copy the last attended one; the same bits whatever the thread count or the
-    span's unread tail holds."""
+    padding rows copy the last attended one; the same bits whatever the thread count (and so
+    in the one-pass and the three-pass forms) or the span's unread tail holds."""
     import torch.nn.functional as F
 
     attend = torch.ops.mtpkit.attend_rows
@@ -182,8 +182,10 @@ def test_row_attention_kernel_matches_sdpa(heads, kv_heads, dim):
     pos = torch.tensor([198, 199, 200])
     one = attend(q, keys, values, pos, 3)
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(attend(q, keys, values, pos, 3), one)
+        # 8 threads split the three passes (too few queries each for the one-pass form).
+        for n in (1, 3, 8):
+            torch.set_num_threads(n)
+            assert torch.equal(attend(q, keys, values, pos, 3), one), n
     finally:
         torch.set_num_threads(threads)
     vbuf[0, :, 201:] = 1e6  # past every pos: never read
@@ -471,7 +473,8 @@ _KERNEL_TESTS = ("hand_int8_kernel or w8a8_reference or w8a8_block or w8a8_attn_
 def test_kernels_avx2_form_on_an_avx512_host(tmp_path):
     """On an AVX-512 host the tests above run the kernels' wide form; their AVX2 form (what
     AVX2-only CPUs run) goes through the same tests in a process that asks for it, and its
-    W8A8 and W4A8 results equal the wide form's bit for bit (exact integer sums in both)."""
+    W8A8 and W4A8 results equal the wide form's bit for bit (exact integer sums in both), and
+    so does its row attention (the 512-bit loops keep the 256-bit lanes' arithmetic)."""
     import subprocess
     import sys
 
@@ -493,6 +496,11 @@ def test_kernels_avx2_form_on_an_avx512_host(tmp_path):
     w8, s8, c8 = pack_a8(codes, scale)
     save_file({"packed": packed, "s4": s4, "z4": z4, "w8": w8, "s8": s8, "c8": c8},
               tmp_path / "a4.safetensors")
+    # Attention: 3 rows of 12 heads over 4 KV heads, 300 slots, 80 dims (16-, 8- and 1-lane
+    # parts of the weighted values, keys in full and partial 8-key blocks).
+    att = {"q": torch.randn(3, 12, 80, generator=g) * 3, "k": torch.randn(4, 300, 80, generator=g),
+           "v": torch.randn(4, 300, 80, generator=g), "pos": torch.tensor([296, 297, 298])}
+    save_file(att, tmp_path / "att.safetensors")
     script = (
         "import sys, torch\n"
         "from safetensors.torch import load_file, save_file\n"
@@ -502,13 +510,17 @@ def test_kernels_avx2_form_on_an_avx512_host(tmp_path):
         "t, a = load_file(d + '/in.safetensors'), load_file(d + '/a4.safetensors')\n"
         "a8 = torch.ops.mtpkit.int8_a8_mm(t['x'], a['w8'], a['s8'], a['c8'])\n"
         "a4 = torch.ops.mtpkit.int4_a8_mm(t['x'], a['packed'], a['s4'], a['z4'], 64)\n"
-        "save_file({'a8': a8, 'a4': a4}, d + '/out.safetensors')\n")
+        "at = load_file(d + '/att.safetensors')\n"
+        "o = torch.ops.mtpkit.attend_rows(at['q'], at['k'], at['v'], at['pos'], 3)\n"
+        "save_file({'a8': a8, 'a4': a4, 'att': o}, d + '/out.safetensors')\n")
     run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     narrow = load_file(tmp_path / "out.safetensors")
     assert torch.equal(narrow["a8"], torch.ops.mtpkit.int8_a8_mm(x, w8, s8, c8))
     assert torch.equal(narrow["a4"], torch.ops.mtpkit.int4_a8_mm(x, packed, s4, z4, 64))
+    assert torch.equal(narrow["att"], torch.ops.mtpkit.attend_rows(
+        att["q"], att["k"], att["v"], att["pos"], 3))
 
 
 def test_int8_layer_without_the_hand_kernel_uses_torchs(monkeypatch):

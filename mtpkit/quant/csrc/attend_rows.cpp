@@ -12,9 +12,10 @@
 // keys) on this machine's cores, for ~0.16 M multiply-adds: its general blocked kernel
 // allocates and transposes per call. Compiled quantized trunks attend one row at a time (so
 // that a verified row is the same computation as a one-token step). One call a layer takes
-// all of a step's rows, in three passes (scores in 8-key blocks, softmaxes, weighted
-// values), so that every row's query heads of a KV head share each key and value row
-// loaded; a call per row and head re-read them from L2 and ran at its speed at long spans.
+// all of a step's rows (scores in 8-key blocks, softmaxes, weighted values), so that every
+// row's query heads of a KV head share each key and value row loaded; a call per row and
+// head re-read them from L2 and ran at its speed at long spans. Threads take whole queries
+// when each gets a few (one fork), else split the three passes (three forks; attend.h).
 //
 // Exactness: a (row, head) result depends only on its own q row, the slots it reads and D;
 // the arithmetic order is fixed (whatever the thread split, the head count, the row count or
@@ -44,14 +45,20 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at
   a.use(buf.data());
   // Threads split whatever work there is, so a short span stays on one thread, where a fork
   // would cost more than the work.
-  const int64_t work1 = a.rows * a.g * 8 * a.D;
-  at::parallel_for(0, a.items1(), std::max<int64_t>(1, 65536 / work1),
-                   [&](int64_t i0, int64_t i1) { a.pass1(i0, i1); });
-  at::parallel_for(0, a.items2(), std::max<int64_t>(1, 65536 / (a.pmax * 8)),
-                   [&](int64_t i0, int64_t i1) { a.pass2(i0, i1); });
-  const int64_t nq6 = std::min<int64_t>(a.rows * a.g, 6);
-  at::parallel_for(0, a.items3(), std::max<int64_t>(1, 65536 / (a.pmax * 16 * nq6)),
-                   [&](int64_t i0, int64_t i1) { a.pass3(i0, i1); });
+  if (a.fused(at::get_num_threads())) {
+    // One fork: each thread's queries through all three passes.
+    at::parallel_for(0, a.items0(), std::max<int64_t>(1, 65536 / (a.pmax * 2 * a.D)),
+                     [&](int64_t i0, int64_t i1) { a.pass0(i0, i1); });
+  } else {
+    const int64_t work1 = a.rows * a.g * 8 * a.D;
+    at::parallel_for(0, a.items1(), std::max<int64_t>(1, 65536 / work1),
+                     [&](int64_t i0, int64_t i1) { a.pass1(i0, i1); });
+    at::parallel_for(0, a.items2(), std::max<int64_t>(1, 65536 / (a.pmax * 8)),
+                     [&](int64_t i0, int64_t i1) { a.pass2(i0, i1); });
+    const int64_t nq6 = std::min<int64_t>(a.rows * a.g, 6);
+    at::parallel_for(0, a.items3(), std::max<int64_t>(1, 65536 / (a.pmax * 16 * nq6)),
+                     [&](int64_t i0, int64_t i1) { a.pass3(i0, i1); });
+  }
   a.pad_rows();
   return out;
 #else

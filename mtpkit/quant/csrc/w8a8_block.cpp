@@ -312,12 +312,17 @@ static at::Tensor post_impl(const char* op, const at::Tensor* a_, mtpkit_attn::A
     if (att) {
       // Even splits of each pass's items: inside the region a split costs a barrier, not a
       // fork, so even a short span's work is shared.
-      const int64_t n1 = att->items1(), n2 = att->items2(), n3 = att->items3();
-      att->pass1(n1 * t / nth, n1 * (t + 1) / nth);
+      if (att->fused(nth)) {
+        const int64_t n0 = att->items0();
+        att->pass0(n0 * t / nth, n0 * (t + 1) / nth);
+      } else {
+        const int64_t n1 = att->items1(), n2 = att->items2(), n3 = att->items3();
+        att->pass1(n1 * t / nth, n1 * (t + 1) / nth);
 #pragma omp barrier
-      att->pass2(n2 * t / nth, n2 * (t + 1) / nth);
+        att->pass2(n2 * t / nth, n2 * (t + 1) / nth);
 #pragma omp barrier
-      att->pass3(n3 * t / nth, n3 * (t + 1) / nth);
+        att->pass3(n3 * t / nth, n3 * (t + 1) / nth);
+      }
 #pragma omp barrier
       if (att->rows < T) {
         if (t == 0) att->pad_rows();
@@ -407,9 +412,9 @@ static at::Tensor w8a8_layer(const at::Tensor& x_, const at::Tensor& ln1_, doubl
   thread_local std::vector<float> qbuf;
   if ((int64_t)qbuf.size() < T * w.N16 + T * H * D) qbuf.resize(T * w.N16 + T * H * D);
   float* qrot = qbuf.data() + T * w.N16;
-  const at::Tensor q = at::from_blob(qrot, {T, H, D}, x.options());
-  mtpkit_attn::Attend att(q, kbuf.select(0, 0).narrow(1, 0, span),
-                          vbuf.select(0, 0).narrow(1, 0, span), pos, rows, "w8a8_layer");
+  mtpkit_attn::Attend att(qrot, H * D, D, kbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
+                          vbuf.data_ptr<float>(), vbuf.stride(1), vbuf.stride(2), T, H, Hkv,
+                          span, D, pp, rows, "w8a8_layer");
   Pre pre{x.data_ptr<float>(), ln1.data_ptr<float>(), float(eps1), w, Dm,
           cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1),
           kbuf.data_ptr<float>(), vbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
