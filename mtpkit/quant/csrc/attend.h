@@ -247,7 +247,8 @@ inline void weigh(float* const* e, const int64_t* P, const float* v, int64_t vs,
 //
 // The work comes as items of three passes (scores, softmaxes, weighted values; callers with
 // many threads and few queries split each pass and wait between them), or as the items of
-// ``fused``: queries, each run through all three passes by one thread. Every query's
+// the one-pass form (pass0, where fused() says so): queries, each run through all three
+// passes by one thread. Every query's
 // arithmetic is the same in both (dot8 per 8-key block, softmax_inplace, weigh's
 // lanes in slot order), so the split never changes a bit.
 struct Attend {
@@ -281,7 +282,8 @@ struct Attend {
   }
 
   // The same plan from raw operands whose shapes the caller checked (w8a8_layer: its own
-  // rotated queries and its caches' first S slots; views of them cost ~1 us a call).
+  // rotated queries and its caches' first S slots; the two caches' views cost ~1.9 us a
+  // call).
   Attend(const float* q, int64_t qt_, int64_t qs_, const float* k, int64_t kh_, int64_t ks_,
          const float* v, int64_t vh_, int64_t vs_, int64_t T_, int64_t H_, int64_t Hkv_,
          int64_t S_, int64_t D_, const int64_t* pp, int64_t rows_, const char* op) {
