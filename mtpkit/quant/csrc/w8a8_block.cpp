@@ -233,7 +233,8 @@ __attribute__((optimize("fp-contract=off"))) static void rope_head(const float* 
 }
 
 // w8a8_post's work, its first GEMM's input being a [T, A] or, with ``att``, that attention's
-// output (computed by the same team first, its passes split between barriers).
+// output (computed by the same team first: each thread's queries in one pass, or the three
+// passes split between barriers where the team is too large for that, Attend::fused).
 static at::Tensor post_impl(const char* op, const at::Tensor* a_, mtpkit_attn::Attend* att,
                             Pre* pre, const at::Tensor& x_,
                             const at::Tensor& ow_, const at::Tensor& os_, const at::Tensor& oc_,
