@@ -99,4 +99,5 @@ TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
 
 MTPKIT_AOTI_SHIM(argmax_rows,
                  (AtenTensorHandle x, AtenTensorHandle* ret0),
+                 (x),
                  argmax_rows(arg(x)))

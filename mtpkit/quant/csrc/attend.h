@@ -301,6 +301,21 @@ struct Attend {
   bool fused(int64_t nth) const { return items0() >= 4 * nth; }
   void pass0(int64_t i0, int64_t i1) const {
     const int64_t per = rows * g;
+    // The share's cache rows, asked for all at once before the first score (up to half a
+    // Zen 5 core's L2): score_blocks' prefetches run only a few blocks ahead of its reads,
+    // and each KV head's short streams started cold. A SmolLM2 W8A8 step, in-process A/B
+    // (docs/benchmarks.md, session 27): decode -25 to -60 us at 128 positions, verification
+    // of 4 rows ~-20 us; at 1024 positions the whole span (1 MB a thread) was no better
+    // than none, half an L2 ~-65 us.
+    if (i1 > i0) {
+      constexpr int64_t kWarm = 512 * 1024;
+      const int64_t kv0 = i0 / per, kv1 = std::min(Hkv, (i1 + per - 1) / per);
+      const int64_t n = std::min(pmax, kWarm / ((kv1 - kv0) * 8 * D));
+      for (int64_t kv = kv0; kv < kv1; kv++) {
+        fetch_rows<_MM_HINT_T1>(kp + kv * kh, ks, 0, n, D);
+        fetch_rows<_MM_HINT_T1>(vp + kv * vh, vs, 0, n, D);
+      }
+    }
     for (int64_t kv = i0 / per; kv < Hkv && kv * per < i1; kv++) {
       const int64_t lo = std::max(i0, kv * per) - kv * per;
       const int64_t hi = std::min(i1, (kv + 1) * per) - kv * per;

@@ -73,4 +73,5 @@ TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("attend_rows", &attend_rows); }
 
 MTPKIT_AOTI_SHIM(attend_rows,
                  (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle pos, int64_t rows, AtenTensorHandle* ret0),
+                 (q, k, v, pos),
                  attend_rows(arg(q), arg(k), arg(v), arg(pos), rows))

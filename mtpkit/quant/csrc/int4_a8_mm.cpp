@@ -251,4 +251,5 @@ TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("int4_a8_mm", &int4_a8_mm); }
 
 MTPKIT_AOTI_SHIM(int4_a8_mm,
                  (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, AtenTensorHandle z, int64_t group, AtenTensorHandle* ret0),
+                 (x, w, s, z),
                  int4_a8_mm(arg(x), arg(w), arg(s), arg(z), group))

@@ -95,4 +95,5 @@ TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("int8_a8_mm", &int8_a8_mm); }
 
 MTPKIT_AOTI_SHIM(int8_a8_mm,
                  (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, AtenTensorHandle colsum, AtenTensorHandle* ret0),
+                 (x, w, s, colsum),
                  int8_a8_mm(arg(x), arg(w), arg(s), arg(colsum)))

@@ -149,6 +149,8 @@ TORCH_LIBRARY_IMPL(mtpkit, CPU, m) {
 
 MTPKIT_AOTI_SHIM(int8_mm,
                  (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, AtenTensorHandle* ret0),
+                 (x, w, s),
                  int8_mm(arg(x), arg(w), arg(s)))
 MTPKIT_AOTI_SHIM(f32_mm, (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0),
+                 (x, w),
                  f32_mm(arg(x), arg(w)))
