@@ -283,19 +283,21 @@ def test_row_exact_trunks_stack_qkv_and_gate_up_exactly(scheme, quantized_engine
 
 
 def test_w8a8_layer_ops_change_no_bit(quantized_engines, monkeypatch):
-    """Fused W8A8 layers run as one op (w8a8_layer: norm, q/k/v, rotary, cache writes,
-    attention, MLP) or attend inside the MLP's op (w8a8_attn_post): trunk states and cache
-    entries are the bits of w8a8_pre, the rotary, attend_rows and w8a8_post apart, over
-    several rows, padding rows included."""
+    """Fused W8A8 layers run all in one op (w8a8_trunk), as one op each (w8a8_layer: norm,
+    q/k/v, rotary, cache writes, attention, MLP) or attend inside the MLP's op
+    (w8a8_attn_post): trunk states and cache entries are the bits of w8a8_pre, the rotary,
+    attend_rows and w8a8_post apart, over several rows, padding rows included."""
     dec = FastDecoder(quantized_engines["w8a8-lm"].model, backend="eager", max_len=128)
     pr = dec.programs
-    assert all(pr.w8a8_blocks)
+    assert all(pr.w8a8_blocks) and pr.w8a8_trunk
     tokens = torch.tensor([[7, 19, 3, 44, 5]])
     outs = []
     with torch.inference_mode():
-        for attn, layer in (("1", "1"), ("1", "0"), ("0", "0")):
+        for attn, layer, trunk in (("1", "1", True), ("1", "1", False), ("1", "0", False),
+                                   ("0", "0", False)):
             monkeypatch.setenv("MTPKIT_W8A8_ATTN", attn)
             monkeypatch.setenv("MTPKIT_W8A8_LAYER", layer)
+            pr.w8a8_trunk = trunk
             for b in dec.kc + dec.vc:
                 b.zero_()
             post, pre = pr.trunk(tokens, torch.arange(5), dec.kc, dec.vc, dec.span(8), 4)
@@ -387,7 +389,7 @@ def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines, 
 
 
 @pytest.mark.parametrize("scheme, gemm", [("w4a8-lm", "int4_a8_mm"), ("fp32", "f32_mm"),
-                                          ("w8a8-lm", "w8a8_layer")])
+                                          ("w8a8-lm", "w8a8_trunk")])
 def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path, scheme, gemm):
     """Ahead-of-time programs of a W4A8 or fp32 trunk call mtpkit's kernels through their C
     entry points (no boxed dispatch per call) and decode, with and without MTP, the eager
@@ -407,12 +409,12 @@ def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path,
         with zipfile.ZipFile(package) as z:
             wrapper = "".join(z.read(n).decode() for n in z.namelist()
                               if n.endswith(".wrapper.cpp"))
-        # W8A8 layers attend inside w8a8_layer; the others call attend_rows.
-        ops = (gemm, "argmax_rows") + (() if gemm == "w8a8_layer" else ("attend_rows",))
+        # W8A8 trunks run as one op, attention included; the others call attend_rows.
+        ops = (gemm, "argmax_rows") + (() if gemm == "w8a8_trunk" else ("attend_rows",))
         for op in ops:
             assert f"aoti_torch_cpu_{op}(" in wrapper, (package.name, op)
         assert "call_function(" not in wrapper  # the proxy executor's boxed calls
-        if gemm == "w8a8_layer":  # it writes the caches in place: no copy of them
+        if gemm == "w8a8_trunk":  # it writes the caches in place: no copy of them
             assert "aoti_torch_clone" not in wrapper and "aoti_torch_copy_" not in wrapper
 
 

@@ -352,6 +352,27 @@ def test_w8a8_attn_post_is_attend_rows_then_w8a8_post(heads, kv_heads, dim):
                                         inter)
 
 
+def _a8_weight(g, n, k):
+    """A packed W8A8 weight [n, k] of random codes and scales."""
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return pack_a8(codes, torch.rand(n, generator=g) * 0.02 + 0.001)
+
+
+def _layer_cases(g, caches: int, kv_heads: int, dim: int):
+    """The whole-layer tests' cases under 1 and 2 threads: (threads, positions [t], span,
+    rows, random caches [caches, 2, 1, kv_heads, 120, dim]), some with padding rows."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for ctx, t, rows in ((0, 1, 1), (37, 1, 1), (60, 5, 5), (99, 4, 2)):
+                cache = torch.randn(caches, 2, 1, kv_heads, 120, dim, generator=g)
+                span = min(120, (ctx + t + 7) // 8 * 8 + 8)
+                yield n, torch.arange(ctx, ctx + t), span, rows, cache
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim,rot", [(9, 3, 64, 64), (4, 2, 20, 12)])
 def test_w8a8_layer_is_pre_rotary_cache_then_attn_post(heads, kv_heads, dim, rot):
     """mtpkit::w8a8_layer (a whole W8A8 layer in one region) gives the bits of w8a8_pre, the
@@ -363,43 +384,30 @@ def test_w8a8_layer_is_pre_rotary_cache_then_attn_post(heads, kv_heads, dim, rot
         pytest.skip("mtpkit's kernels do not build here")
     g = torch.Generator().manual_seed(heads + dim)
     d, inter, a = 40, 72, heads * dim
-
-    def weight(n, k):
-        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-        return pack_a8(codes, torch.rand(n, generator=g) * 0.02 + 0.001)
-
     nqkv = a + 2 * kv_heads * dim
-    qkv, o, gu, dn = weight(nqkv, d), weight(d, a), weight(2 * inter, d), weight(d, inter)
+    qkv, o = _a8_weight(g, nqkv, d), _a8_weight(g, d, a)
+    gu, dn = _a8_weight(g, 2 * inter, d), _a8_weight(g, d, inter)
     ln1, ln2 = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
     rotary = Rotary(rot, 10000.0)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            for ctx, t, rows in ((0, 1, 1), (37, 1, 1), (60, 5, 5), (99, 4, 2)):
-                cache = torch.randn(2, 1, kv_heads, 120, dim, generator=g)
-                pos = torch.arange(ctx, ctx + t)
-                span = min(120, (ctx + t + 7) // 8 * 8 + 8)
-                cos, sin = rotary.cos_sin(pos)
-                x = torch.randn(t, d, generator=g)
-                # The reference: the ops apart, the rotary and cache writes in PyTorch.
-                ref = cache.clone()
-                proj = torch.ops.mtpkit.w8a8_pre(x, ln1, 1e-5, *qkv)[:, :nqkv]
-                q, k, v = proj.split([a, kv_heads * dim, kv_heads * dim], -1)
-                q = Rotary.apply(q.view(1, t, heads, dim).transpose(1, 2), cos, sin)
-                k = Rotary.apply(k.view(1, t, kv_heads, dim).transpose(1, 2), cos, sin)
-                ref[0].index_copy_(2, pos, k)
-                ref[1].index_copy_(2, pos, v.view(1, t, kv_heads, dim).transpose(1, 2))
-                want = torch.ops.mtpkit.w8a8_attn_post(
-                    q[0].transpose(0, 1), ref[0, 0, :, :span], ref[1, 0, :, :span], pos, rows,
-                    x, *o, ln2, 1e-5, *gu, *dn, inter)
-                got = torch.ops.mtpkit.w8a8_layer(x, ln1, 1e-5, *qkv, cos, sin, cache[0],
-                                                  cache[1], pos, span, rows, heads, *o, ln2,
-                                                  1e-5, *gu, *dn, inter)
-                assert torch.equal(got, want), (n, ctx, t, rows)
-                assert torch.equal(cache, ref), (n, ctx, t, rows)
-    finally:
-        torch.set_num_threads(threads)
+    for n, pos, span, rows, caches in _layer_cases(g, 1, kv_heads, dim):
+        cache, t = caches[0], len(pos)
+        cos, sin = rotary.cos_sin(pos)
+        x = torch.randn(t, d, generator=g)
+        # The reference: the ops apart, the rotary and cache writes in PyTorch.
+        ref = cache.clone()
+        proj = torch.ops.mtpkit.w8a8_pre(x, ln1, 1e-5, *qkv)[:, :nqkv]
+        q, k, v = proj.split([a, kv_heads * dim, kv_heads * dim], -1)
+        q = Rotary.apply(q.view(1, t, heads, dim).transpose(1, 2), cos, sin)
+        k = Rotary.apply(k.view(1, t, kv_heads, dim).transpose(1, 2), cos, sin)
+        ref[0].index_copy_(2, pos, k)
+        ref[1].index_copy_(2, pos, v.view(1, t, kv_heads, dim).transpose(1, 2))
+        want = torch.ops.mtpkit.w8a8_attn_post(
+            q[0].transpose(0, 1), ref[0, 0, :, :span], ref[1, 0, :, :span], pos, rows,
+            x, *o, ln2, 1e-5, *gu, *dn, inter)
+        got = torch.ops.mtpkit.w8a8_layer(x, ln1, 1e-5, *qkv, cos, sin, cache[0], cache[1], pos,
+                                          span, rows, heads, *o, ln2, 1e-5, *gu, *dn, inter)
+        assert torch.equal(got, want), (n, pos, rows)
+        assert torch.equal(cache, ref), (n, pos, rows)
     with pytest.raises(RuntimeError, match="a position past the cache"):
         torch.ops.mtpkit.w8a8_layer(x, ln1, 1e-5, *qkv, cos, sin, cache[0], cache[1],
                                     pos + 200, span, rows, heads, *o, ln2, 1e-5, *gu, *dn, inter)
@@ -410,6 +418,49 @@ def test_w8a8_layer_is_pre_rotary_cache_then_attn_post(heads, kv_heads, dim, rot
     with pytest.raises(RuntimeError, match="w8a8_layer: 1 <= rows <= T"):
         torch.ops.mtpkit.w8a8_layer(x, ln1, 1e-5, *qkv, cos, sin, cache[0], cache[1], pos,
                                     span, 0, heads, *o, ln2, 1e-5, *gu, *dn, inter)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,rot", [(9, 3, 64, 64), (4, 2, 20, 12)])
+def test_w8a8_trunk_is_w8a8_layer_in_turn(heads, kv_heads, dim, rot):
+    """mtpkit::w8a8_trunk (whole W8A8 layers in one region) gives the bits of w8a8_layer
+    called layer after layer, outputs and every layer's caches, for 1-5 rows, padding rows
+    and both thread counts; lists of unequal length are refused."""
+    from mtpkit.models.layers import Rotary
+
+    if not int8_mm_available():
+        pytest.skip("mtpkit's kernels do not build here")
+    g = torch.Generator().manual_seed(7 * heads + dim)
+    d, inter, a, nl = 40, 72, heads * dim, 3
+    nqkv = a + 2 * kv_heads * dim
+    layers = [(torch.rand(d, generator=g) + 0.5, _a8_weight(g, nqkv, d), _a8_weight(g, d, a),
+               torch.rand(d, generator=g) + 0.5, _a8_weight(g, 2 * inter, d),
+               _a8_weight(g, d, inter)) for _ in range(nl)]
+    lists = [list(c) for c in zip(*[(ln1, *qkv, *o, ln2, *gu, *dn)
+                                    for ln1, qkv, o, ln2, gu, dn in layers], strict=True)]
+    ln1s, qw, qs, qc, ow, os_, oc, ln2s, guw, gus, guc, dw, ds, dc = lists
+    rotary = Rotary(rot, 10000.0)
+    for n, pos, span, rows, caches in _layer_cases(g, nl, kv_heads, dim):
+        cos, sin = rotary.cos_sin(pos)
+        x = torch.randn(len(pos), d, generator=g)
+        ref, want = caches.clone(), x
+        for (ln1, qkv, o, ln2, gu, dn), c in zip(layers, ref, strict=True):
+            want = torch.ops.mtpkit.w8a8_layer(want, ln1, 1e-5, *qkv, cos, sin, c[0], c[1], pos,
+                                               span, rows, heads, *o, ln2, 1e-6, *gu, *dn, inter)
+        got = torch.ops.mtpkit.w8a8_trunk(
+            x, ln1s, 1e-5, qw, qs, qc, cos, sin, [c[0] for c in caches], [c[1] for c in caches],
+            pos, span, rows, heads, ow, os_, oc, ln2s, 1e-6, guw, gus, guc, dw, ds, dc, inter)
+        assert torch.equal(got, want), (n, pos, rows)
+        assert torch.equal(caches, ref), (n, pos, rows)
+    with pytest.raises(RuntimeError, match="w8a8_trunk: every list needs one entry a layer"):
+        torch.ops.mtpkit.w8a8_trunk(
+            x, ln1s[:2], 1e-5, qw, qs, qc, cos, sin, [c[0] for c in caches],
+            [c[1] for c in caches], pos, span, rows, heads, ow, os_, oc, ln2s, 1e-6, guw, gus,
+            guc, dw, ds, dc, inter)
+    with pytest.raises(RuntimeError, match="w8a8_trunk: a position past the cache"):
+        torch.ops.mtpkit.w8a8_trunk(
+            x, ln1s, 1e-5, qw, qs, qc, cos, sin, [c[0] for c in caches],
+            [c[1] for c in caches], pos + 200, span, rows, heads, ow, os_, oc, ln2s, 1e-6,
+            guw, gus, guc, dw, ds, dc, inter)
 
 
 def _a4_float64(x, layer):
@@ -464,7 +515,8 @@ def test_w4a8_kernel_is_exact_per_group_and_row_independent(n, k, group, asym, h
 
 
 _KERNEL_TESTS = ("hand_int8_kernel or w8a8_reference or w8a8_block or w8a8_attn_post or "
-                 "w8a8_layer or w4a8_kernel or row_attention or argmax_rows or stacked_int8")
+                 "w8a8_layer or w8a8_trunk or w4a8_kernel or row_attention or argmax_rows or "
+                 "stacked_int8")
 
 
 @pytest.mark.skipif(not int8_mm_available() or kernel_isa() != "avx512",

@@ -212,6 +212,12 @@ def w8a8_layer_on() -> bool:
     return os.environ.get("MTPKIT_W8A8_LAYER", "1") != "0"
 
 
+def w8a8_trunk_on() -> bool:
+    """Whether a trunk of whole-layer W8A8 ops runs as one op (w8a8_trunk);
+    MTPKIT_W8A8_TRUNK=0 keeps an op a layer (to compare; programs are keyed on it)."""
+    return os.environ.get("MTPKIT_W8A8_TRUNK", "1") != "0"
+
+
 def w8a8_block_fits(layer, fused: nn.ModuleDict | None) -> bool:
     """Whether a trunk layer can run as mtpkit's fused W8A8 ops (_w8a8_block): every GEMM
     W8A8 without bias on the CPU kernels, plain fp32 RMSNorms, ungated attention, SwiGLU."""
@@ -242,8 +248,7 @@ def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused) -> torch
     x2 = x.reshape(t, d)
     mlp_ops = (ln2.weight, ln2.eps, *fused["gate_up"].a8_operands(),
                *mlp.down_proj.a8_operands(), mlp.down_proj.in_features)
-    if (rows is not None and w8a8_attn_on() and w8a8_layer_on() and _row_kernel(x, kbuf)
-            and attn.q_norm is None):
+    if _w8a8_whole(layer, x, kbuf, rows):
         # The whole layer in one region: norm, q/k/v, rotary, cache writes, attention, MLP.
         out = torch.ops.mtpkit.w8a8_layer(
             x2, ln1.weight, ln1.eps, *qkv.a8_operands(), cos, sin, kbuf, vbuf, pos,
@@ -264,6 +269,36 @@ def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused) -> torch
                        project=False)
     out = torch.ops.mtpkit.w8a8_post(heads.reshape(t, -1), x2, *attn.o_proj.a8_operands(),
                                      *mlp_ops)
+    return out.view(b, t, d)
+
+
+def _w8a8_whole(layer, x, kbuf, rows) -> bool:
+    # Whether _w8a8_block runs the layer as one w8a8_layer op.
+    return (rows is not None and w8a8_attn_on() and w8a8_layer_on() and _row_kernel(x, kbuf)
+            and layer.self_attn.q_norm is None)
+
+
+def _w8a8_trunk(layers, fused, x, cos, sin, kc, vc, pos, mask, rows) -> torch.Tensor:
+    # Every layer as w8a8_layer computes it, all in one op and one OpenMP region: a barrier
+    # between layers where an op a layer forked and joined the team and set its call up
+    # with the other thread idle. SmolLM2 W8A8, in-process A/B: decode -97 us (~3 us a
+    # layer), verification of 4 rows -154 us (docs/benchmarks.md, session 27).
+    b, t, d = x.shape
+    ops = [[] for _ in range(14)]
+    for layer, f in zip(layers, fused, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        row = (layer.input_layernorm.weight, *f["qkv"].a8_operands(), *attn.o_proj.a8_operands(),
+               layer.post_attention_layernorm.weight, *f["gate_up"].a8_operands(),
+               *mlp.down_proj.a8_operands())
+        for acc, v in zip(ops, row, strict=True):
+            acc.append(v)
+    ln1, qw, qs, qc, ow, os_, oc, ln2, guw, gus, guc, dw, ds, dc = ops
+    first = layers[0]
+    out = torch.ops.mtpkit.w8a8_trunk(
+        x.reshape(t, d), ln1, first.input_layernorm.eps, qw, qs, qc, cos, sin, list(kc), list(vc),
+        pos, mask.shape[-1], rows, first.self_attn.num_heads, ow, os_, oc, ln2,
+        first.post_attention_layernorm.eps, guw, gus, guc, dw, ds, dc,
+        first.mlp.down_proj.in_features)
     return out.view(b, t, d)
 
 
@@ -348,6 +383,11 @@ class Programs(nn.Module):
         per_layer = self.fused if self.fused is not None else [None] * len(layers)
         self.w8a8_blocks = [fuse and w8a8_block_fits(block, f)
                             for block, f in zip(layers, per_layer, strict=True)]
+        # A trunk of them, alike in norm epsilons, heads and MLP width, as one op.
+        shapes = {(b.input_layernorm.eps, b.post_attention_layernorm.eps, b.self_attn.num_heads,
+                   b.mlp.down_proj.in_features) for b in layers}
+        self.w8a8_trunk = (w8a8_trunk_on() and len(layers) > 0 and all(self.w8a8_blocks)
+                           and len(shapes) == 1)
         self.register_buffer("vocab", None)
         if model.mtp is not None and draft_vocab is not None and len(draft_vocab):
             dev = model.model.embed_tokens.weight.device
@@ -371,7 +411,12 @@ class Programs(nn.Module):
         mask = _mask(pos, _span(span, kc[0]), self.groups)
         cos, sin = m.rotary.cos_sin(pos)
         x = m.model.embed_tokens(ids)
-        for i, layer in enumerate(m.model.layers):
+        layers = m.model.layers
+        if (self.w8a8_trunk and all(self.w8a8_blocks)
+                and all(_w8a8_whole(layer, x, kc[0], rows) for layer in layers)):
+            x = _w8a8_trunk(layers, self.fused, x, cos, sin, kc, vc, pos, mask, rows)
+            return m.model.norm(x), x
+        for i, layer in enumerate(layers):
             fused = None if self.fused is None else self.fused[i]
             step = _w8a8_block if fused is not None and self.w8a8_blocks[i] else _block
             x = step(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows, fused)
@@ -543,7 +588,7 @@ def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str) -> s
 
     parts = [
         fingerprint, kind, shapes, str(k), mode, os.environ.get("MTPKIT_GEMM_BACKENDS", ""),
-        str(w8a8_blocks_on()), str(w8a8_attn_on()), str(w8a8_layer_on()),
+        str(w8a8_blocks_on()), str(w8a8_attn_on()), str(w8a8_layer_on()), str(w8a8_trunk_on()),
         torch.__version__, str(pick_vec_isa()),
         # GEMM templates are generated for the thread count in force at compile time.
         str(torch.get_num_threads()),

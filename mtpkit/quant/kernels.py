@@ -108,6 +108,7 @@ def _build() -> None:
     torch.library.register_fake("mtpkit::w8a8_post")(_fake_post)
     torch.library.register_fake("mtpkit::w8a8_attn_post")(_fake_attn_post)
     torch.library.register_fake("mtpkit::w8a8_layer")(_fake_layer)
+    torch.library.register_fake("mtpkit::w8a8_trunk")(_fake_layer)
     torch.library.register_fake("mtpkit::attend_rows")(_fake_attend)
     torch.library.register_fake("mtpkit::argmax_rows")(_fake_argmax)
 
@@ -174,8 +175,10 @@ def _fake_argmax(x):
 # mtpkit's ops, each with a C entry point (csrc/aoti_shim.h) taking its schema's arguments
 # in order, then the output.
 _OPS = ("int8_mm", "int8_a8_mm", "f32_mm", "int4_a8_mm", "w8a8_pre", "w8a8_post",
-        "w8a8_attn_post", "w8a8_layer", "attend_rows", "argmax_rows")
-_C_TYPES = {"Tensor": "AtenTensorHandle", "int": "int64_t", "SymInt": "int64_t", "float": "double"}
+        "w8a8_attn_post", "w8a8_layer", "w8a8_trunk", "attend_rows", "argmax_rows")
+# A Tensor[] argument comes as an array of handles and its length (AOTInductor's convention).
+_C_TYPES = {"Tensor": "AtenTensorHandle {}", "int": "int64_t {}", "SymInt": "int64_t {}",
+            "float": "double {}", "List[Tensor]": "const AtenTensorHandle* {0}, int64_t {0}_len_"}
 
 
 def aoti_c_shims() -> dict:
@@ -185,7 +188,8 @@ def aoti_c_shims() -> dict:
     shims = {}
     for name in _OPS:
         op = getattr(torch.ops.mtpkit, name).default
-        params = "".join(f"{_C_TYPES[str(a.type)]} {a.name}, " for a in op._schema.arguments)
+        params = "".join(_C_TYPES[str(a.type)].format(a.name) + ", "
+                         for a in op._schema.arguments)
         shims[op] = [f"AOTITorchError aoti_torch_cpu_{name}({params}AtenTensorHandle* ret0)"]
     return shims
 

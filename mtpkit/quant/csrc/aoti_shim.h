@@ -29,18 +29,21 @@ inline at::Tensor& mut(AtenTensorHandle h) {
 // w8a8_layer (20 tensors) spent ~3 us a call before its first GEMM, ~1.5 us with this
 // (docs/benchmarks.md, session 27). A prefetch never faults, so an undefined tensor (no
 // storage) asks for address 0 harmlessly.
-inline void warm(std::initializer_list<AtenTensorHandle> handles) {
-  for (AtenTensorHandle h : handles) __builtin_prefetch(h);
-  for (AtenTensorHandle h : handles) {
-    const char* impl = reinterpret_cast<const char*>(arg(h).unsafeGetTensorImpl());
-    for (size_t i = 0; i < sizeof(c10::TensorImpl); i += 64) __builtin_prefetch(impl + i);
+inline void warm(const AtenTensorHandle* handles, int64_t n) {
+  for (int64_t i = 0; i < n; i++) __builtin_prefetch(handles[i]);
+  for (int64_t i = 0; i < n; i++) {
+    const char* impl = reinterpret_cast<const char*>(arg(handles[i]).unsafeGetTensorImpl());
+    for (size_t b = 0; b < sizeof(c10::TensorImpl); b += 64) __builtin_prefetch(impl + b);
   }
-  for (AtenTensorHandle h : handles) {
+  for (int64_t i = 0; i < n; i++) {
     const char* storage = reinterpret_cast<const char*>(
-        arg(h).unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+        arg(handles[i]).unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
     __builtin_prefetch(storage);
     __builtin_prefetch(storage + 64);
   }
+}
+inline void warm(std::initializer_list<AtenTensorHandle> handles) {
+  warm(handles.begin(), int64_t(handles.size()));
 }
 
 }  // namespace mtpkit_shim

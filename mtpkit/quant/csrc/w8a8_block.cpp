@@ -10,6 +10,10 @@
 //   o.., ..) -> the whole layer: q/k/v = w8a8_pre(x, ..), q and k rotated (Rotary.apply's
 //   half rotation, its roundings), k and v written to the caches [1, Hkv, L, hd] at pos,
 //   then w8a8_attn_post over the first span slots
+// mtpkit::w8a8_trunk(x, ln1[], eps1, qkv..[], cos, sin, kbufs![], vbufs![], pos, span, rows,
+//   heads, o..[], ln2[], eps2, gate_up..[], down..[], inter) -> w8a8_layer over each layer's
+//   entries in turn (each layer's output the next one's x), all in one region with a
+//   barrier between layers; AOTInductor passes each list as an array of handles
 // x, a float32 [T, *]; each GEMM is int8_a8_mm's (packed weights, scales, column sums from
 // linear.pack_a8, inter = the MLP's width, gate_up's columns [0, inter) being the gate's);
 // rmsnorm(v) = v / sqrt(mean(v^2) + eps), in float32.
@@ -21,7 +25,9 @@
 // the gain is smaller (verification 3-7%; attention and glue remain between the regions;
 // docs/benchmarks.md, session 24). The whole layer in one region (w8a8_layer, session 25)
 // takes the attention's three forks and the glue between the ops out too: verification of
-// 4 rows 3-9% faster, a decode step 0-4% (the cache rows' latency stays: ~25 GB/s).
+// 4 rows 3-9% faster, a decode step 0-4% (the cache rows' latency stays: ~25 GB/s). The
+// whole trunk in one region (w8a8_trunk, session 27) takes out the fork, join and call
+// setup between layers: ~3 us a layer at one row, ~5 at four.
 //
 // Exactness: every output row is computed from its own input row only, in one fixed order
 // whatever the row count, the thread count or the thread split (the GEMMs' integer sums are
@@ -43,6 +49,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -233,9 +240,143 @@ __attribute__((optimize("fp-contract=off"))) static void rope_head(const float* 
   for (int64_t i = R; i < D; i++) dst[i] = src[i];
 }
 
+// A layer's work from its first GEMM's input on (w8a8_post's, and w8a8_layer's with ``pre``
+// and ``att``), as planned before its region: operands, sizes and the team's shared buffers.
+struct Post {
+  mtpkit_attn::Attend* att;  // the attention, computed by the same team first (or null)
+  Pre* pre;                  // the input norm, q/k/v, rotary and cache writes (or null)
+  const float *ap, *xp, *lnp;  // the first GEMM's input [T, A], the residual [T, D], ln2
+  float eps;
+  Packed o, gu, dn;
+  int64_t T, D, I, A;
+  float *yo, *ygu, *ydn, *act, *outp;  // shared: each GEMM's output rows, activations, out
+};
+
+// Checks a layer's operands after the attention -> its Post (buffers unset; ``ap`` for a
+// caller's [T, A] input). The tensors behind the pointers must outlive the region.
+static Post post_plan(const char* op, int64_t T, int64_t A, mtpkit_attn::Attend* att, Pre* pre,
+                      const at::Tensor& x, const at::Tensor& ow_, const at::Tensor& os_,
+                      const at::Tensor& oc_, const at::Tensor& ln, double eps,
+                      const at::Tensor& guw_, const at::Tensor& gus_, const at::Tensor& guc_,
+                      const at::Tensor& dw_, const at::Tensor& ds_, const at::Tensor& dc_,
+                      int64_t inter) {
+  const int64_t D = x.size(1), I = inter;
+  const Packed o = packed(ow_, os_, oc_, A, "o_proj"), gu = packed(guw_, gus_, guc_, D, "gate_up"),
+               dn = packed(dw_, ds_, dc_, I, "down_proj");
+  TORCH_CHECK(o.N16 >= D && gu.N16 >= 2 * I && dn.N16 >= D,
+              op, ": o_proj / down_proj must give D columns and gate_up 2 * inter");
+  return {att, pre, nullptr, x.data_ptr<float>(), ln.data_ptr<float>(), float(eps), o, gu, dn,
+          T, D, I, A, nullptr, nullptr, nullptr, nullptr, nullptr};
+}
+
+// The floats a Post shares between the threads: the attention's output and scratch, each
+// GEMM's output rows, and the MLP's activations.
+static int64_t post_shared(const Post& P) {
+  return (P.att ? P.T * P.A + P.att->scratch() : 0) +
+         P.T * (P.o.N16 + P.gu.N16 + P.dn.N16 + P.I);
+}
+
+static void post_bind(Post& P, float* shared, float* outp) {
+  float* f = shared;
+  if (P.att) {
+    P.att->op = f;
+    P.att->use(f + P.T * P.A);
+    P.ap = f;
+    f += P.T * P.A + P.att->scratch();
+  }
+  P.yo = f;
+  P.ygu = P.yo + P.T * P.o.N16;
+  P.ydn = P.ygu + P.T * P.gu.N16;
+  P.act = P.ydn + P.T * P.dn.N16;
+  P.outp = outp;
+}
+
+// Sizes each thread's scratch for a Post.
+static void post_fit(const Post& P, std::vector<Scratch>& sc) {
+  const int64_t K4max = std::max({P.o.K4, P.gu.K4, P.dn.K4, P.pre ? P.pre->w.K4 : int64_t(0)});
+  for (auto& s : sc) s.fit(2 * P.T * P.D + P.T * P.I, P.T * K4max, P.T);
+}
+
+// Thread t's part of a Post, inside the team's region (nth threads), barriers included. The
+// attention's passes: each thread's queries in one pass, or the three passes split between
+// barriers where the team is too large for that (Attend::fused).
+static void post_run(const Post& P, Scratch& s, int t, int nth) {
+  const int64_t T = P.T, D = P.D, I = P.I, A = P.A;
+  const Packed &o = P.o, &gu = P.gu, &dn = P.dn;
+  mtpkit_attn::Attend* att = P.att;
+  Pre* pre = P.pre;
+  const float *ap = P.ap, *xp = P.xp, *lnp = P.lnp;
+  const float eps = P.eps;
+  float *yo = P.yo, *ygu = P.ygu, *ydn = P.ydn, *act = P.act, *outp = P.outp;
+  float* h = s.f.data();  // [T, D]: x + o(a), this thread's copy
+  float* hn = h + T * D;  // [T, D]: its norm
+  if (pre) {
+    norm_gemm_share(pre->x, pre->ln, pre->eps, T, pre->Dm, pre->w, pre->yq, s, hn, t, nth);
+#pragma omp barrier
+    // Every row's heads, padding rows too (their cache slots are written before any read).
+    const int64_t per = pre->H + 2 * pre->Hkv, n = T * per, Dh = pre->D;
+    for (int64_t item = n * t / nth; item < n * (t + 1) / nth; item++) {
+      const int64_t m = item / per, c = item % per;
+      const float* row = pre->yq + m * pre->w.N16 + c * Dh;
+      const float* cs = pre->cos + m * pre->R;
+      const float* sn = pre->sin + m * pre->R;
+      if (c < pre->H)
+        rope_head(row, cs, sn, pre->R, Dh, pre->qrot + (m * pre->H + c) * Dh);
+      else if (c < pre->H + pre->Hkv)
+        rope_head(row, cs, sn, pre->R, Dh,
+                  pre->kb + (c - pre->H) * pre->k1 + pre->pos[m] * pre->k2);
+      else
+        std::copy(row, row + Dh,
+                  pre->vb + (c - pre->H - pre->Hkv) * pre->v1 + pre->pos[m] * pre->v2);
+    }
+#pragma omp barrier
+  }
+  if (att) {
+    // Even splits of each pass's items: inside the region a split costs a barrier, not a
+    // fork, so even a short span's work is shared.
+    if (att->fused(nth)) {
+      const int64_t n0 = att->items0();
+      att->pass0(n0 * t / nth, n0 * (t + 1) / nth);
+    } else {
+      const int64_t n1 = att->items1(), n2 = att->items2(), n3 = att->items3();
+      att->pass1(n1 * t / nth, n1 * (t + 1) / nth);
+#pragma omp barrier
+      att->pass2(n2 * t / nth, n2 * (t + 1) / nth);
+#pragma omp barrier
+      att->pass3(n3 * t / nth, n3 * (t + 1) / nth);
+    }
+#pragma omp barrier
+    if (att->rows < T) {
+      if (t == 0) att->pad_rows();
+#pragma omp barrier
+    }
+  }
+  quantize_rows(ap, T, A, s.q.data(), s.xs.data(), o.K4, kFlip);
+  gemm_share(s.q.data(), s.xs.data(), T, o, yo, t, nth);
+#pragma omp barrier
+  for (int64_t m = 0; m < T; m++) {
+    for (int64_t k = 0; k < D; k++) h[m * D + k] = xp[m * D + k] + yo[m * o.N16 + k];
+    rmsnorm_row(h + m * D, lnp, float(eps), D, hn + m * D);
+  }
+  quantize_rows(hn, T, D, s.q.data(), s.xs.data(), gu.K4, kFlip);
+  gemm_share(s.q.data(), s.xs.data(), T, gu, ygu, t, nth);
+#pragma omp barrier
+  // The activations split by column, then every thread quantizes whole rows.
+  const int64_t i0 = I * t / nth, i1 = I * (t + 1) / nth;
+  for (int64_t m = 0; m < T; m++)
+    silu_mul(ygu + m * gu.N16, ygu + m * gu.N16 + I, act + m * I, i0, i1);
+#pragma omp barrier
+  quantize_rows(act, T, I, s.q.data(), s.xs.data(), dn.K4, kFlip);
+  gemm_share(s.q.data(), s.xs.data(), T, dn, ydn, t, nth);
+  int64_t b0, b1;
+  share(dn.N16, t, nth, b0, b1);
+  const int64_t c1 = std::min(D, 16 * b1);
+  for (int64_t m = 0; m < T; m++)
+    for (int64_t k = 16 * b0; k < c1; k++) outp[m * D + k] = h[m * D + k] + ydn[m * dn.N16 + k];
+}
+
 // w8a8_post's work, its first GEMM's input being a [T, A] or, with ``att``, that attention's
-// output (computed by the same team first: each thread's queries in one pass, or the three
-// passes split between barriers where the team is too large for that, Attend::fused).
+// output, in one region.
 static at::Tensor post_impl(const char* op, const at::Tensor* a_, mtpkit_attn::Attend* att,
                             Pre* pre, const at::Tensor& x_,
                             const at::Tensor& ow_, const at::Tensor& os_, const at::Tensor& oc_,
@@ -243,7 +384,7 @@ static at::Tensor post_impl(const char* op, const at::Tensor* a_, mtpkit_attn::A
                             const at::Tensor& gus_, const at::Tensor& guc_, const at::Tensor& dw_,
                             const at::Tensor& ds_, const at::Tensor& dc_, int64_t inter) {
   TORCH_CHECK(x_.dim() == 2, op, ": x must be [T, D]");
-  const int64_t T = x_.size(0), D = x_.size(1), I = inter;
+  const int64_t T = x_.size(0), D = x_.size(1);
   TORCH_CHECK(att ? att->T == T : (a_->dim() == 2 && a_->size(0) == T), op,
               att ? ": q [T, H, hd] and x [T, D]" : ": a [T, A] and x [T, D]");
   const int64_t A = att ? att->H * att->D : a_->size(1);
@@ -254,106 +395,22 @@ static at::Tensor post_impl(const char* op, const at::Tensor* a_, mtpkit_attn::A
   }
   check_rows(x_, D, "x");
   const at::Tensor x = x_.contiguous(), ln = contig_vec(ln_, D, pre ? "ln2" : "ln");
-  const Packed o = packed(ow_, os_, oc_, A, "o_proj"), gu = packed(guw_, gus_, guc_, D, "gate_up"),
-               dn = packed(dw_, ds_, dc_, I, "down_proj");
-  TORCH_CHECK(o.N16 >= D && gu.N16 >= 2 * I && dn.N16 >= D,
-              op, ": o_proj / down_proj must give D columns and gate_up 2 * inter");
+  Post P = post_plan(op, T, A, att, pre, x, ow_, os_, oc_, ln, eps, guw_, gus_, guc_, dw_, ds_,
+                     dc_, inter);
   // at::empty's dispatch cost ~10 us a step (30 calls; in-process A/B, session 27).
   at::Tensor out = at::detail::empty_cpu({T, D}, at::kFloat, /*pin_memory=*/false);
-  // Shared between the threads: the attention's output and scratch, each GEMM's output
-  // rows, and the MLP's activations.
   thread_local std::vector<float> shared;
-  const int64_t n_att = att ? T * A + att->scratch() : 0;
-  const int64_t n_o = T * o.N16, n_gu = T * gu.N16, n_dn = T * dn.N16, n_act = T * I;
-  const int64_t n_all = n_att + n_o + n_gu + n_dn + n_act;
-  if ((int64_t)shared.size() < n_all) shared.resize(n_all);
-  float* yo = shared.data() + n_att;
-  float* ygu = yo + n_o;
-  float* ydn = ygu + n_gu;
-  float* act = ydn + n_dn;
-  if (att) {
-    att->op = shared.data();
-    att->use(shared.data() + T * A);
-  }
+  if ((int64_t)shared.size() < post_shared(P)) shared.resize(post_shared(P));
+  post_bind(P, shared.data(), out.data_ptr<float>());
+  if (!att) P.ap = a.data_ptr<float>();
   const int nt = team();
   auto& sc = scratch(nt);
-  const int64_t K4max = std::max({o.K4, gu.K4, dn.K4, pre ? pre->w.K4 : int64_t(0)});
-  for (auto& s : sc) s.fit(2 * T * D + T * I, T * K4max, T);
-  const float* ap = att ? shared.data() : a.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const float* lnp = ln.data_ptr<float>();
-  float* outp = out.data_ptr<float>();
+  post_fit(P, sc);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    const int t = omp_get_thread_num();
     // The team OpenMP gave (num_threads is a request): every share is split by it.
-    const int nth = omp_get_num_threads();
-    Scratch& s = sc[t];
-    float* h = s.f.data();  // [T, D]: x + o(a), this thread's copy
-    float* hn = h + T * D;  // [T, D]: its norm
-    if (pre) {
-      norm_gemm_share(pre->x, pre->ln, pre->eps, T, pre->Dm, pre->w, pre->yq, s, hn, t, nth);
-#pragma omp barrier
-      // Every row's heads, padding rows too (their cache slots are written before any read).
-      const int64_t per = pre->H + 2 * pre->Hkv, n = T * per, Dh = pre->D;
-      for (int64_t item = n * t / nth; item < n * (t + 1) / nth; item++) {
-        const int64_t m = item / per, c = item % per;
-        const float* row = pre->yq + m * pre->w.N16 + c * Dh;
-        const float* cs = pre->cos + m * pre->R;
-        const float* sn = pre->sin + m * pre->R;
-        if (c < pre->H)
-          rope_head(row, cs, sn, pre->R, Dh, pre->qrot + (m * pre->H + c) * Dh);
-        else if (c < pre->H + pre->Hkv)
-          rope_head(row, cs, sn, pre->R, Dh,
-                    pre->kb + (c - pre->H) * pre->k1 + pre->pos[m] * pre->k2);
-        else
-          std::copy(row, row + Dh,
-                    pre->vb + (c - pre->H - pre->Hkv) * pre->v1 + pre->pos[m] * pre->v2);
-      }
-#pragma omp barrier
-    }
-    if (att) {
-      // Even splits of each pass's items: inside the region a split costs a barrier, not a
-      // fork, so even a short span's work is shared.
-      if (att->fused(nth)) {
-        const int64_t n0 = att->items0();
-        att->pass0(n0 * t / nth, n0 * (t + 1) / nth);
-      } else {
-        const int64_t n1 = att->items1(), n2 = att->items2(), n3 = att->items3();
-        att->pass1(n1 * t / nth, n1 * (t + 1) / nth);
-#pragma omp barrier
-        att->pass2(n2 * t / nth, n2 * (t + 1) / nth);
-#pragma omp barrier
-        att->pass3(n3 * t / nth, n3 * (t + 1) / nth);
-      }
-#pragma omp barrier
-      if (att->rows < T) {
-        if (t == 0) att->pad_rows();
-#pragma omp barrier
-      }
-    }
-    quantize_rows(ap, T, A, s.q.data(), s.xs.data(), o.K4, kFlip);
-    gemm_share(s.q.data(), s.xs.data(), T, o, yo, t, nth);
-#pragma omp barrier
-    for (int64_t m = 0; m < T; m++) {
-      for (int64_t k = 0; k < D; k++) h[m * D + k] = xp[m * D + k] + yo[m * o.N16 + k];
-      rmsnorm_row(h + m * D, lnp, float(eps), D, hn + m * D);
-    }
-    quantize_rows(hn, T, D, s.q.data(), s.xs.data(), gu.K4, kFlip);
-    gemm_share(s.q.data(), s.xs.data(), T, gu, ygu, t, nth);
-#pragma omp barrier
-    // The activations split by column, then every thread quantizes whole rows.
-    const int64_t i0 = I * t / nth, i1 = I * (t + 1) / nth;
-    for (int64_t m = 0; m < T; m++)
-      silu_mul(ygu + m * gu.N16, ygu + m * gu.N16 + I, act + m * I, i0, i1);
-#pragma omp barrier
-    quantize_rows(act, T, I, s.q.data(), s.xs.data(), dn.K4, kFlip);
-    gemm_share(s.q.data(), s.xs.data(), T, dn, ydn, t, nth);
-    int64_t b0, b1;
-    share(dn.N16, t, nth, b0, b1);
-    const int64_t c1 = std::min(D, 16 * b1);
-    for (int64_t m = 0; m < T; m++)
-      for (int64_t k = 16 * b0; k < c1; k++) outp[m * D + k] = h[m * D + k] + ydn[m * dn.N16 + k];
+    const int nth = omp_get_num_threads(), t = omp_get_thread_num();
+    post_run(P, sc[t], t, nth);
   }
   return out;
 }
@@ -378,6 +435,52 @@ static at::Tensor w8a8_attn_post(const at::Tensor& q, const at::Tensor& k, const
                    inter);
 }
 
+// The floats of a layer's q/k/v rows and rotated queries (w8a8_layer's qbuf).
+static int64_t qbuf_size(int64_t T, const at::Tensor& qw, const at::Tensor& kbuf, int64_t heads) {
+  return qw.dim() == 2 && kbuf.dim() == 4 ? T * qw.size(0) + T * heads * kbuf.size(3) : 0;
+}
+
+// w8a8_layer's checks of a layer's operands up to its attention: x [T, Dm] (contiguous, the
+// caller's), cos/sin [T, R] and pos [T] (contiguous) -> its Pre and its attention's plan,
+// with its q/k/v rows and rotated queries in qbuf (qbuf_size floats).
+static void layer_plan(const char* op, const at::Tensor& x, const at::Tensor& ln1, double eps1,
+                       const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qc,
+                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kbuf,
+                       const at::Tensor& vbuf, const at::Tensor& pos, int64_t span, int64_t rows,
+                       int64_t heads, float* qbuf, Pre& pre,
+                       std::optional<mtpkit_attn::Attend>& att) {
+  const int64_t T = x.size(0), Dm = x.size(1);
+  TORCH_CHECK(ln1.dim() == 1 && ln1.size(0) == Dm && ln1.scalar_type() == at::kFloat &&
+                  ln1.is_contiguous(),
+              op, ": ln1 must be float32 [", Dm, "] and contiguous");
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.size(0) == 1 && kbuf.sizes() == vbuf.sizes() &&
+                  kbuf.scalar_type() == at::kFloat && vbuf.scalar_type() == at::kFloat &&
+                  kbuf.stride(3) == 1 && vbuf.stride(3) == 1,
+              op, ": caches must be float32 [1, Hkv, L, hd] with contiguous rows");
+  const int64_t Hkv = kbuf.size(1), L = kbuf.size(2), D = kbuf.size(3), H = heads;
+  TORCH_CHECK(Hkv > 0 && H > 0 && H % Hkv == 0 && span >= 1 && span <= L,
+              op, ": heads a multiple of the KV heads, 1 <= span <= cache length");
+  const Packed w = packed(qw, qs, qc, Dm, "q/k/v");
+  TORCH_CHECK(w.N16 >= (H + 2 * Hkv) * D, op, ": q/k/v gives fewer than (H + 2 Hkv) hd columns");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T &&
+                  cos.size(1) % 2 == 0 && cos.size(1) <= D && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat,
+              op, ": cos/sin must be float32 [T, R], R even and at most hd");
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == T && pos.scalar_type() == at::kLong,
+              op, ": pos must be int64 [T]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t j = 0; j < T; j++)
+    TORCH_CHECK(pp[j] >= 0 && pp[j] < L, op, ": a position past the cache");
+  float* qrot = qbuf + T * w.N16;
+  att.emplace(qrot, H * D, D, kbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
+              vbuf.data_ptr<float>(), vbuf.stride(1), vbuf.stride(2), T, H, Hkv, span, D, pp,
+              rows, op);
+  pre = Pre{x.data_ptr<float>(), ln1.data_ptr<float>(), float(eps1), w, Dm,
+            cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1),
+            kbuf.data_ptr<float>(), vbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
+            vbuf.stride(1), vbuf.stride(2), pp, H, Hkv, D, qbuf, qrot};
+}
+
 static at::Tensor w8a8_layer(const at::Tensor& x_, const at::Tensor& ln1_, double eps1,
                              const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qc,
                              const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor& kbuf,
@@ -388,42 +491,103 @@ static at::Tensor w8a8_layer(const at::Tensor& x_, const at::Tensor& ln1_, doubl
                              const at::Tensor& dw, const at::Tensor& ds, const at::Tensor& dc,
                              int64_t inter) {
   TORCH_CHECK(x_.dim() == 2, "w8a8_layer: x must be [T, D]");
-  const int64_t T = x_.size(0), Dm = x_.size(1);
-  check_rows(x_, Dm, "x");
-  const at::Tensor x = x_.contiguous(), ln1 = contig_vec(ln1_, Dm, "ln1");
-  TORCH_CHECK(kbuf.dim() == 4 && kbuf.size(0) == 1 && kbuf.sizes() == vbuf.sizes() &&
-                  kbuf.scalar_type() == at::kFloat && vbuf.scalar_type() == at::kFloat &&
-                  kbuf.stride(3) == 1 && vbuf.stride(3) == 1,
-              "w8a8_layer: caches must be float32 [1, Hkv, L, hd] with contiguous rows");
-  const int64_t Hkv = kbuf.size(1), L = kbuf.size(2), D = kbuf.size(3), H = heads;
-  TORCH_CHECK(Hkv > 0 && H > 0 && H % Hkv == 0 && span >= 1 && span <= L,
-              "w8a8_layer: heads a multiple of the KV heads, 1 <= span <= cache length");
-  const Packed w = packed(qw, qs, qc, Dm, "q/k/v");
-  TORCH_CHECK(w.N16 >= (H + 2 * Hkv) * D, "w8a8_layer: q/k/v gives fewer than (H + 2 Hkv) hd columns");
-  const at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous();
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T &&
-                  cos.size(1) % 2 == 0 && cos.size(1) <= D && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat,
-              "w8a8_layer: cos/sin must be float32 [T, R], R even and at most hd");
-  const at::Tensor pos = pos_.contiguous();
-  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == T && pos.scalar_type() == at::kLong,
-              "w8a8_layer: pos must be int64 [T]");
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t j = 0; j < T; j++)
-    TORCH_CHECK(pp[j] >= 0 && pp[j] < L, "w8a8_layer: a position past the cache");
+  check_rows(x_, x_.size(1), "x");
+  const at::Tensor x = x_.contiguous(), ln1 = contig_vec(ln1_, x_.size(1), "ln1");
+  const at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), pos = pos_.contiguous();
   // The q/k/v rows and the rotated queries, for this call (the attention plan reads qrot).
   thread_local std::vector<float> qbuf;
-  if ((int64_t)qbuf.size() < T * w.N16 + T * H * D) qbuf.resize(T * w.N16 + T * H * D);
-  float* qrot = qbuf.data() + T * w.N16;
-  mtpkit_attn::Attend att(qrot, H * D, D, kbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
-                          vbuf.data_ptr<float>(), vbuf.stride(1), vbuf.stride(2), T, H, Hkv,
-                          span, D, pp, rows, "w8a8_layer");
-  Pre pre{x.data_ptr<float>(), ln1.data_ptr<float>(), float(eps1), w, Dm,
-          cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1),
-          kbuf.data_ptr<float>(), vbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
-          vbuf.stride(1), vbuf.stride(2), pp, H, Hkv, D, qbuf.data(), qrot};
-  return post_impl("w8a8_layer", nullptr, &att, &pre, x, ow, os, oc, ln2, eps2, guw, gus, guc, dw, ds, dc,
-                   inter);
+  const int64_t nq = qbuf_size(x.size(0), qw, kbuf, heads);
+  if ((int64_t)qbuf.size() < nq) qbuf.resize(nq);
+  Pre pre;
+  std::optional<mtpkit_attn::Attend> att;
+  layer_plan("w8a8_layer", x, ln1, eps1, qw, qs, qc, cos, sin, kbuf, vbuf, pos, span, rows, heads,
+             qbuf.data(), pre, att);
+  return post_impl("w8a8_layer", nullptr, &*att, &pre, x, ow, os, oc, ln2, eps2, guw, gus, guc,
+                   dw, ds, dc, inter);
+}
+
+// A run of whole layers (w8a8_layer's, each layer's output the next one's input) in one
+// region, a barrier between layers: no fork, join or call setup between them.
+template <class List>
+static at::Tensor trunk_impl(const at::Tensor& x_, const List& ln1, double eps1, const List& qw,
+                             const List& qs, const List& qc, const at::Tensor& cos_,
+                             const at::Tensor& sin_, const List& kbufs, const List& vbufs,
+                             const at::Tensor& pos_, int64_t span, int64_t rows, int64_t heads,
+                             const List& ow, const List& os, const List& oc, const List& ln2,
+                             double eps2, const List& guw, const List& gus, const List& guc,
+                             const List& dw, const List& ds, const List& dc, int64_t inter) {
+  const char* op = "w8a8_trunk";
+  const size_t n = ln1.size();
+  for (size_t len : {qw.size(), qs.size(), qc.size(), kbufs.size(), vbufs.size(), ow.size(),
+                     os.size(), oc.size(), ln2.size(), guw.size(), gus.size(), guc.size(),
+                     dw.size(), ds.size(), dc.size()})
+    TORCH_CHECK(len == n && n > 0, op, ": every list needs one entry a layer");
+  TORCH_CHECK(x_.dim() == 2, op, ": x must be [T, D]");
+  const int64_t T = x_.size(0), Dm = x_.size(1);
+  check_rows(x_, Dm, "x");
+  const at::Tensor x = x_.contiguous();
+  const at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), pos = pos_.contiguous();
+  // Layer l reads its input from bufs[(l + 1) % 2] (layer 0 from x) and writes bufs[l % 2]
+  // (the last layer ``out``): the team finishes a layer before the next reads it.
+  at::Tensor out = at::detail::empty_cpu({T, Dm}, at::kFloat, /*pin_memory=*/false);
+  thread_local std::vector<float> qbuf, shared, pingpong;
+  int64_t nq = 0;
+  for (size_t l = 0; l < n; l++) nq = std::max(nq, qbuf_size(T, qw[l], kbufs[l], heads));
+  if ((int64_t)qbuf.size() < nq) qbuf.resize(nq);
+  if ((int64_t)pingpong.size() < 2 * T * Dm) pingpong.resize(2 * T * Dm);
+  std::vector<Pre> pres(n);
+  std::vector<std::optional<mtpkit_attn::Attend>> atts(n);
+  std::vector<Post> posts;
+  posts.reserve(n);
+  std::vector<at::Tensor> ins;  // each layer's input as a tensor (for the checks' shapes)
+  ins.reserve(n);
+  int64_t nshared = 0;
+  for (size_t l = 0; l < n; l++) {
+    float* in = l == 0 ? x.data_ptr<float>() : pingpong.data() + ((l + 1) % 2) * T * Dm;
+    ins.push_back(l == 0 ? x : at::from_blob(in, {T, Dm}, at::kFloat));
+    layer_plan(op, ins[l], ln1[l], eps1, qw[l], qs[l], qc[l], cos, sin, kbufs[l], vbufs[l], pos,
+               span, rows, heads, qbuf.data(), pres[l], atts[l]);
+    TORCH_CHECK(ln2[l].dim() == 1 && ln2[l].size(0) == Dm && ln2[l].is_contiguous() &&
+                    ln2[l].scalar_type() == at::kFloat,
+                op, ": ln2 must be float32 [", Dm, "] and contiguous");
+    mtpkit_attn::Attend& a = *atts[l];
+    posts.push_back(post_plan(op, T, a.H * a.D, &a, &pres[l], ins[l], ow[l], os[l], oc[l], ln2[l],
+                              eps2, guw[l], gus[l], guc[l], dw[l], ds[l], dc[l], inter));
+    TORCH_CHECK(posts[l].o.N16 >= Dm && posts[l].dn.N16 >= Dm, op, ": widths differ by layer");
+    nshared = std::max(nshared, post_shared(posts[l]));
+  }
+  if ((int64_t)shared.size() < nshared) shared.resize(nshared);
+  const int nt = team();
+  auto& sc = scratch(nt);
+  for (size_t l = 0; l < n; l++) {
+    float* o = l + 1 == n ? out.data_ptr<float>() : pingpong.data() + (l % 2) * T * Dm;
+    post_bind(posts[l], shared.data(), o);
+    post_fit(posts[l], sc);
+  }
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int nth = omp_get_num_threads(), t = omp_get_thread_num();
+    for (size_t l = 0; l < n; l++) {
+      if (l > 0) {
+#pragma omp barrier
+      }
+      post_run(posts[l], sc[t], t, nth);
+    }
+  }
+  return out;
+}
+
+static at::Tensor w8a8_trunk(const at::Tensor& x, at::TensorList ln1, double eps1,
+                             at::TensorList qw, at::TensorList qs, at::TensorList qc,
+                             const at::Tensor& cos, const at::Tensor& sin, at::TensorList kbufs,
+                             at::TensorList vbufs, const at::Tensor& pos, int64_t span,
+                             int64_t rows, int64_t heads, at::TensorList ow, at::TensorList os,
+                             at::TensorList oc, at::TensorList ln2, double eps2,
+                             at::TensorList guw, at::TensorList gus, at::TensorList guc,
+                             at::TensorList dw, at::TensorList ds, at::TensorList dc,
+                             int64_t inter) {
+  return trunk_impl(x, ln1, eps1, qw, qs, qc, cos, sin, kbufs, vbufs, pos, span, rows, heads, ow,
+                    os, oc, ln2, eps2, guw, gus, guc, dw, ds, dc, inter);
 }
 
 #else
@@ -453,6 +617,24 @@ static at::Tensor w8a8_layer(const at::Tensor&, const at::Tensor&, double, const
                              const at::Tensor&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "w8a8_layer was built without AVX2/FMA");
 }
+template <class List>
+static at::Tensor trunk_impl(const at::Tensor&, const List&, double, const List&, const List&,
+                             const List&, const at::Tensor&, const at::Tensor&, const List&,
+                             const List&, const at::Tensor&, int64_t, int64_t, int64_t,
+                             const List&, const List&, const List&, const List&, double,
+                             const List&, const List&, const List&, const List&, const List&,
+                             const List&, int64_t) {
+  TORCH_CHECK(false, "w8a8_trunk was built without AVX2/FMA");
+}
+static at::Tensor w8a8_trunk(const at::Tensor&, at::TensorList, double, at::TensorList,
+                             at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&,
+                             at::TensorList, at::TensorList, const at::Tensor&, int64_t, int64_t,
+                             int64_t, at::TensorList, at::TensorList, at::TensorList,
+                             at::TensorList, double, at::TensorList, at::TensorList,
+                             at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                             int64_t) {
+  TORCH_CHECK(false, "w8a8_trunk was built without AVX2/FMA");
+}
 #endif
 
 TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
@@ -469,12 +651,19 @@ TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
         "Tensor pos, SymInt span, int rows, int heads, Tensor o_w, Tensor o_s, Tensor o_colsum, "
         "Tensor ln2, float eps2, Tensor gu_w, Tensor gu_s, Tensor gu_colsum, Tensor down_w, "
         "Tensor down_s, Tensor down_colsum, int inter) -> Tensor");
+  m.def("w8a8_trunk(Tensor x, Tensor[] ln1, float eps1, Tensor[] qkv_w, Tensor[] qkv_s, "
+        "Tensor[] qkv_colsum, Tensor cos, Tensor sin, Tensor(a!)[] kbufs, Tensor(b!)[] vbufs, "
+        "Tensor pos, SymInt span, int rows, int heads, Tensor[] o_w, Tensor[] o_s, "
+        "Tensor[] o_colsum, Tensor[] ln2, float eps2, Tensor[] gu_w, Tensor[] gu_s, "
+        "Tensor[] gu_colsum, Tensor[] down_w, Tensor[] down_s, Tensor[] down_colsum, "
+        "int inter) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(mtpkit, CPU, m) {
   m.impl("w8a8_pre", &w8a8_pre);
   m.impl("w8a8_post", &w8a8_post);
   m.impl("w8a8_attn_post", &w8a8_attn_post);
   m.impl("w8a8_layer", &w8a8_layer);
+  m.impl("w8a8_trunk", &w8a8_trunk);
 }
 
 MTPKIT_AOTI_SHIM(w8a8_pre,
@@ -522,3 +711,40 @@ MTPKIT_AOTI_SHIM(w8a8_layer,
                             heads, arg(o_w), arg(o_s), arg(o_colsum), arg(ln2), eps2, arg(gu_w),
                             arg(gu_s), arg(gu_colsum), arg(down_w), arg(down_s),
                             arg(down_colsum), inter))
+
+// AOTInductor passes a Tensor[] argument as an array of handles and its length.
+namespace {
+struct Handles {
+  const AtenTensorHandle* h;
+  int64_t n;
+  size_t size() const { return size_t(n); }
+  const at::Tensor& operator[](size_t i) const { return mtpkit_shim::arg(h[i]); }
+};
+}  // namespace
+
+#define MTPKIT_LIST(name) const AtenTensorHandle *name, int64_t name##_len_
+extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_w8a8_trunk(
+    AtenTensorHandle x, MTPKIT_LIST(ln1), double eps1, MTPKIT_LIST(qkv_w), MTPKIT_LIST(qkv_s),
+    MTPKIT_LIST(qkv_colsum), AtenTensorHandle cos, AtenTensorHandle sin, MTPKIT_LIST(kbufs),
+    MTPKIT_LIST(vbufs), AtenTensorHandle pos, int64_t span, int64_t rows, int64_t heads,
+    MTPKIT_LIST(o_w), MTPKIT_LIST(o_s), MTPKIT_LIST(o_colsum), MTPKIT_LIST(ln2), double eps2,
+    MTPKIT_LIST(gu_w), MTPKIT_LIST(gu_s), MTPKIT_LIST(gu_colsum), MTPKIT_LIST(down_w),
+    MTPKIT_LIST(down_s), MTPKIT_LIST(down_colsum), int64_t inter, AtenTensorHandle* ret0) {
+  using mtpkit_shim::arg;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    const Handles lists[] = {{ln1, ln1_len_}, {qkv_w, qkv_w_len_}, {qkv_s, qkv_s_len_},
+                             {qkv_colsum, qkv_colsum_len_}, {kbufs, kbufs_len_},
+                             {vbufs, vbufs_len_}, {o_w, o_w_len_}, {o_s, o_s_len_},
+                             {o_colsum, o_colsum_len_}, {ln2, ln2_len_}, {gu_w, gu_w_len_},
+                             {gu_s, gu_s_len_}, {gu_colsum, gu_colsum_len_},
+                             {down_w, down_w_len_}, {down_s, down_s_len_},
+                             {down_colsum, down_colsum_len_}};
+    mtpkit_shim::warm({x, cos, sin, pos});
+    for (const Handles& l : lists) mtpkit_shim::warm(l.h, l.n);
+    *ret0 = torch::aot_inductor::new_tensor_handle(trunk_impl(
+        arg(x), lists[0], eps1, lists[1], lists[2], lists[3], arg(cos), arg(sin), lists[4],
+        lists[5], arg(pos), span, rows, heads, lists[6], lists[7], lists[8], lists[9], eps2,
+        lists[10], lists[11], lists[12], lists[13], lists[14], lists[15], inter));
+  });
+}
+#undef MTPKIT_LIST
