@@ -48,8 +48,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <atomic>
 #include <cstdint>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -300,7 +302,45 @@ static void post_fit(const Post& P, std::vector<Scratch>& sc) {
 // Thread t's part of a Post, inside the team's region (nth threads), barriers included. The
 // attention's passes: each thread's queries in one pass, or the three passes split between
 // barriers where the team is too large for that (Attend::fused).
-static void post_run(const Post& P, Scratch& s, int t, int nth) {
+// A barrier for one region's team, made before the region (count and sense zero) and
+// shared by its threads, each with its own sense starting at zero. Against libgomp's
+// barrier (7 waits a layer), SmolLM2 W8A8 in-process A/B, session 27: decode -68 and -75
+// us, verification of 4 rows -79 (fast phase); -14 to -41 and -55 (slow phase). Waits are
+// short (the threads split each stage evenly); a thread that spins long yields its core,
+// for a team larger than the machine (tests run 3 threads on 2 cores).
+struct Barrier {
+  alignas(64) std::atomic<int> count{0};
+  alignas(64) std::atomic<int> sense{0};
+
+  // Thread's wait, nth the team's size.
+  void wait(int& mine, int nth) {
+    if (nth == 1) return;
+    mine ^= 1;
+    if (count.fetch_add(1, std::memory_order_acq_rel) == nth - 1) {
+      count.store(0, std::memory_order_relaxed);
+      sense.store(mine, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; sense.load(std::memory_order_acquire) != mine; spins++) {
+      _mm_pause();
+      if (spins >= 4096) {
+        std::this_thread::yield();
+        spins = 0;
+      }
+    }
+  }
+};
+
+// A thread's view of its team: its number, the team's size and barrier, its barrier sense.
+struct Member {
+  int t, nth;
+  Barrier* bar;
+  int sense = 0;
+  void barrier() { bar->wait(sense, nth); }
+};
+
+static void post_run(const Post& P, Scratch& s, Member& me) {
+  const int t = me.t, nth = me.nth;
   const int64_t T = P.T, D = P.D, I = P.I, A = P.A;
   const Packed &o = P.o, &gu = P.gu, &dn = P.dn;
   mtpkit_attn::Attend* att = P.att;
@@ -312,7 +352,7 @@ static void post_run(const Post& P, Scratch& s, int t, int nth) {
   float* hn = h + T * D;  // [T, D]: its norm
   if (pre) {
     norm_gemm_share(pre->x, pre->ln, pre->eps, T, pre->Dm, pre->w, pre->yq, s, hn, t, nth);
-#pragma omp barrier
+    me.barrier();
     // Every row's heads, padding rows too (their cache slots are written before any read).
     const int64_t per = pre->H + 2 * pre->Hkv, n = T * per, Dh = pre->D;
     for (int64_t item = n * t / nth; item < n * (t + 1) / nth; item++) {
@@ -329,7 +369,7 @@ static void post_run(const Post& P, Scratch& s, int t, int nth) {
         std::copy(row, row + Dh,
                   pre->vb + (c - pre->H - pre->Hkv) * pre->v1 + pre->pos[m] * pre->v2);
     }
-#pragma omp barrier
+    me.barrier();
   }
   if (att) {
     // Even splits of each pass's items: inside the region a split costs a barrier, not a
@@ -340,32 +380,32 @@ static void post_run(const Post& P, Scratch& s, int t, int nth) {
     } else {
       const int64_t n1 = att->items1(), n2 = att->items2(), n3 = att->items3();
       att->pass1(n1 * t / nth, n1 * (t + 1) / nth);
-#pragma omp barrier
+      me.barrier();
       att->pass2(n2 * t / nth, n2 * (t + 1) / nth);
-#pragma omp barrier
+      me.barrier();
       att->pass3(n3 * t / nth, n3 * (t + 1) / nth);
     }
-#pragma omp barrier
+    me.barrier();
     if (att->rows < T) {
       if (t == 0) att->pad_rows();
-#pragma omp barrier
+      me.barrier();
     }
   }
   quantize_rows(ap, T, A, s.q.data(), s.xs.data(), o.K4, kFlip);
   gemm_share(s.q.data(), s.xs.data(), T, o, yo, t, nth);
-#pragma omp barrier
+  me.barrier();
   for (int64_t m = 0; m < T; m++) {
     for (int64_t k = 0; k < D; k++) h[m * D + k] = xp[m * D + k] + yo[m * o.N16 + k];
     rmsnorm_row(h + m * D, lnp, float(eps), D, hn + m * D);
   }
   quantize_rows(hn, T, D, s.q.data(), s.xs.data(), gu.K4, kFlip);
   gemm_share(s.q.data(), s.xs.data(), T, gu, ygu, t, nth);
-#pragma omp barrier
+  me.barrier();
   // The activations split by column, then every thread quantizes whole rows.
   const int64_t i0 = I * t / nth, i1 = I * (t + 1) / nth;
   for (int64_t m = 0; m < T; m++)
     silu_mul(ygu + m * gu.N16, ygu + m * gu.N16 + I, act + m * I, i0, i1);
-#pragma omp barrier
+  me.barrier();
   quantize_rows(act, T, I, s.q.data(), s.xs.data(), dn.K4, kFlip);
   gemm_share(s.q.data(), s.xs.data(), T, dn, ydn, t, nth);
   int64_t b0, b1;
@@ -406,11 +446,12 @@ static at::Tensor post_impl(const char* op, const at::Tensor* a_, mtpkit_attn::A
   const int nt = team();
   auto& sc = scratch(nt);
   post_fit(P, sc);
+  Barrier bar;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     // The team OpenMP gave (num_threads is a request): every share is split by it.
-    const int nth = omp_get_num_threads(), t = omp_get_thread_num();
-    post_run(P, sc[t], t, nth);
+    Member me{omp_get_thread_num(), omp_get_num_threads(), &bar};
+    post_run(P, sc[me.t], me);
   }
   return out;
 }
@@ -564,14 +605,13 @@ static at::Tensor trunk_impl(const at::Tensor& x_, const List& ln1, double eps1,
     post_bind(posts[l], shared.data(), o);
     post_fit(posts[l], sc);
   }
+  Barrier bar;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    const int nth = omp_get_num_threads(), t = omp_get_thread_num();
+    Member me{omp_get_thread_num(), omp_get_num_threads(), &bar};
     for (size_t l = 0; l < n; l++) {
-      if (l > 0) {
-#pragma omp barrier
-      }
-      post_run(posts[l], sc[t], t, nth);
+      if (l > 0) me.barrier();
+      post_run(posts[l], sc[me.t], me);
     }
   }
   return out;
