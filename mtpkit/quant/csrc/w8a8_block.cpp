@@ -85,28 +85,143 @@ Packed packed(const at::Tensor& w, const at::Tensor& s, const at::Tensor& colsum
               "w8a8 block: ", name, " must be contiguous packed int8, float32 scales, int32 sums");
   const int64_t N16 = w.size(0), K4 = w.size(1);
   TORCH_CHECK(N16 % 16 == 0 && K4 == (K + 3) / 4 * 4 && s.numel() == N16 &&
-                  colsum.numel() == N16 && K < (1 << 17),
+                  colsum.numel() == N16 && K < (1 << 17) && N16 < (int64_t(1) << 28),
               "w8a8 block: ", name, " packed for another shape (N16 ", N16, ", K4 ", K4,
               ", input width ", K, ")");
   return {w.data_ptr<int8_t>(), s.data_ptr<float>(), colsum.data_ptr<int32_t>(), N16, K4};
 }
 
-// This thread's share of the column blocks of a GEMM with N16 columns.
+// Thread t's static share of the column blocks of a GEMM with N16 columns.
 inline void share(int64_t N16, int t, int nt, int64_t& b0, int64_t& b1) {
   const int64_t nb = N16 / 16;
   b0 = nb * t / nt;
   b1 = nb * (t + 1) / nt;
 }
 
-// Quantized rows q [T, K4] (scales xs [T]) against this thread's columns of w -> y [T, N16].
-void gemm_share(const int8_t* q, const float* xs, int64_t T, const Packed& w, float* y, int t,
-                int nt) {
-  int64_t b0, b1;
-  share(w.N16, t, nt, b0, b1);
-  if (b0 == b1) return;
-  over_rows(T, [&](auto R, int64_t m) {
-    a8_rows<R.value>(q + m * w.K4, xs + m, w.K4, w.w, w.s, w.colsum, y + m * w.N16, w.N16, b0, b1);
-  });
+// A barrier for one region's team, made before the region (count and sense zero) and
+// shared by its threads, each with its own sense starting at zero. Against libgomp's
+// barrier (7 waits a layer), SmolLM2 W8A8 in-process A/B, session 27: decode -68 and -75
+// us, verification of 4 rows -79 (fast phase); -14 to -41 and -55 (slow phase). A thread
+// that spins long yields its core, for a team larger than the machine (tests run 3 threads
+// on 2 cores).
+struct Barrier {
+  alignas(64) std::atomic<int> count{0};
+  alignas(64) std::atomic<int> sense{0};
+
+  // Thread's wait, nth the team's size.
+  void wait(int& mine, int nth) {
+    if (nth == 1) return;
+    mine ^= 1;
+    if (count.fetch_add(1, std::memory_order_acq_rel) == nth - 1) {
+      count.store(0, std::memory_order_relaxed);
+      sense.store(mine, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; sense.load(std::memory_order_acquire) != mine; spins++) {
+      _mm_pause();
+      if (spins >= 4096) {
+        std::this_thread::yield();
+        spins = 0;
+      }
+    }
+  }
+};
+
+// One thread's share of the GEMM in hand, claimable from both ends: the owner takes column
+// blocks from the front, a thread done with its own share half of what is left from the
+// back (each keeps a long forward stream for its prefetches; stealing ~16 KB pieces instead
+// gained half as much on verification). Packed in one word for compare-and-swap: the GEMM's
+// number in the region (16 bits; a slot still holding an earlier GEMM's is that share
+// untouched), back and front (24 bits each).
+struct alignas(64) Slot {
+  std::atomic<uint64_t> w{0};
+};
+
+// Why shares move: on Zen 3 (2 cores, ~25 GB/s), a SmolLM2 W8A8 decode step's threads each
+// waited ~11% of the step at the barriers after the GEMMs (rdtsc timers, session 28: 8 us a
+// thread after gate_up's 1.8 MB), one core's stream running ahead of the other's by turns.
+// In-process A/B against static halves: verification of 4 rows -362 and -464 us (of ~10
+// ms), decode -40 us at 128 positions, -52 at 512. A column's arithmetic does not depend on
+// the thread that computes it, so no bit changes.
+struct Team {
+  Barrier bar;
+  std::vector<Slot> slots;
+  explicit Team(int nt) : slots(nt) {}
+};
+
+// A thread's view of its team: its number, the team's size, barrier and slots, its barrier
+// sense and how many GEMMs it has shared.
+struct Member {
+  int t, nth;
+  Team* team;
+  int sense = 0;
+  uint64_t gemms = 0;
+  void barrier() { team->bar.wait(sense, nth); }
+};
+
+inline uint64_t slot_word(uint64_t g, int64_t front, int64_t back) {
+  return (g & 0xffff) << 48 | uint64_t(back) << 24 | uint64_t(front);
+}
+
+// Claims blocks of thread v's share of GEMM g (static share [b0, b1)) into [c0, c1): a
+// quarter of what is left from its front (few claims), or half from its back, at least n;
+// false once it is empty.
+inline bool claim(Slot& slot, uint64_t g, int64_t b0, int64_t b1, int64_t n, bool back,
+                  int64_t& c0, int64_t& c1) {
+  uint64_t w = slot.w.load(std::memory_order_acquire);
+  for (;;) {
+    if ((w >> 48) != (g & 0xffff)) {  // untouched: set it to the whole share first
+      const uint64_t fresh = slot_word(g, b0, b1);
+      if (slot.w.compare_exchange_weak(w, fresh, std::memory_order_acq_rel)) w = fresh;
+      continue;
+    }
+    const int64_t f = int64_t(w & 0xffffff), b = int64_t(w >> 24 & 0xffffff);
+    if (f >= b) return false;
+    const int64_t k = std::min(std::max(n, back ? (b - f) / 2 : (b - f) / 4), b - f);
+    const uint64_t next = back ? slot_word(g, f, b - k) : slot_word(g, f + k, b);
+    if (slot.w.compare_exchange_weak(w, next, std::memory_order_acq_rel)) {
+      c0 = back ? b - k : f;
+      c1 = back ? b : f + k;
+      return true;
+    }
+  }
+}
+
+// Quantized rows q [T, K4] (scales xs [T]) against column blocks of w -> y [T, N16], shared
+// by the team: this thread's own share front to back, then halves of what the others have
+// left, from the back, in pieces of at least ~16 KB; done(c0, c1) after each piece, for the
+// columns [16 c0, 16 c1) this thread wrote.
+template <class Done>
+void gemm_share(const int8_t* q, const float* xs, int64_t T, const Packed& w, float* y,
+                Member& me, const Done& done) {
+  auto run = [&](int64_t c0, int64_t c1) {
+    over_rows(T, [&](auto R, int64_t m) {
+      a8_rows<R.value>(q + m * w.K4, xs + m, w.K4, w.w, w.s, w.colsum, y + m * w.N16, w.N16, c0,
+                       c1);
+    });
+    done(c0, c1);
+  };
+  int64_t b0, b1, c0, c1;
+  if (me.nth == 1) {
+    share(w.N16, 0, 1, b0, b1);
+    if (b0 < b1) run(b0, b1);
+    return;
+  }
+  const uint64_t g = ++me.gemms;
+  const int64_t piece = std::max<int64_t>(1, (16384 + 8 * w.K4) / (16 * w.K4));
+  share(w.N16, me.t, me.nth, b0, b1);
+  Slot& own = me.team->slots[me.t];
+  while (claim(own, g, b0, b1, piece, false, c0, c1)) run(c0, c1);
+  for (int i = 1; i < me.nth; i++) {
+    const int v = (me.t + i) % me.nth;
+    share(w.N16, v, me.nth, b0, b1);
+    while (claim(me.team->slots[v], g, b0, b1, piece, true, c0, c1)) run(c0, c1);
+  }
+}
+
+inline void gemm_share(const int8_t* q, const float* xs, int64_t T, const Packed& w, float* y,
+                       Member& me) {
+  gemm_share(q, xs, T, w, y, me, [](int64_t, int64_t) {});
 }
 
 // y[k] = ln[k] * (x[k] / sqrt(mean(x^2) + eps)) for one row of D, in a fixed order.
@@ -151,10 +266,10 @@ constexpr uint8_t kFlip = MTPKIT_VNNI ? 0x80 : 0;  // a8_rows' activation form
 // rmsnorm(x) * ln of T rows of D into buf, quantized into s, against this thread's columns
 // of w -> y (w8a8_pre's work, and w8a8_layer's first stage).
 void norm_gemm_share(const float* x, const float* ln, float eps, int64_t T, int64_t D,
-                     const Packed& w, float* y, Scratch& s, float* buf, int t, int nt) {
+                     const Packed& w, float* y, Scratch& s, float* buf, Member& me) {
   for (int64_t m = 0; m < T; m++) rmsnorm_row(x + m * D, ln, eps, D, buf + m * D);
   quantize_rows(buf, T, D, s.q.data(), s.xs.data(), w.K4, kFlip);
-  gemm_share(s.q.data(), s.xs.data(), T, w, y, t, nt);
+  gemm_share(s.q.data(), s.xs.data(), T, w, y, me);
 }
 
 std::vector<Scratch>& scratch(int nt) {
@@ -196,13 +311,15 @@ static at::Tensor w8a8_pre(const at::Tensor& x_, const at::Tensor& ln_, double e
   const float* xp = x.data_ptr<float>();
   const float* lnp = ln.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  Team crew(nt);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     const int t = omp_get_thread_num();
     // The team OpenMP gave (num_threads is a request): every share is split by it.
     const int nth = omp_get_num_threads();
     Scratch& s = sc[t];
-    norm_gemm_share(xp, lnp, float(eps), T, D, w, yp, s, s.f.data(), t, nth);
+    Member me{t, nth, &crew};
+    norm_gemm_share(xp, lnp, float(eps), T, D, w, yp, s, s.f.data(), me);
   }
   return y;
 }
@@ -302,43 +419,6 @@ static void post_fit(const Post& P, std::vector<Scratch>& sc) {
 // Thread t's part of a Post, inside the team's region (nth threads), barriers included. The
 // attention's passes: each thread's queries in one pass, or the three passes split between
 // barriers where the team is too large for that (Attend::fused).
-// A barrier for one region's team, made before the region (count and sense zero) and
-// shared by its threads, each with its own sense starting at zero. Against libgomp's
-// barrier (7 waits a layer), SmolLM2 W8A8 in-process A/B, session 27: decode -68 and -75
-// us, verification of 4 rows -79 (fast phase); -14 to -41 and -55 (slow phase). Waits are
-// short (the threads split each stage evenly); a thread that spins long yields its core,
-// for a team larger than the machine (tests run 3 threads on 2 cores).
-struct Barrier {
-  alignas(64) std::atomic<int> count{0};
-  alignas(64) std::atomic<int> sense{0};
-
-  // Thread's wait, nth the team's size.
-  void wait(int& mine, int nth) {
-    if (nth == 1) return;
-    mine ^= 1;
-    if (count.fetch_add(1, std::memory_order_acq_rel) == nth - 1) {
-      count.store(0, std::memory_order_relaxed);
-      sense.store(mine, std::memory_order_release);
-      return;
-    }
-    for (int spins = 0; sense.load(std::memory_order_acquire) != mine; spins++) {
-      _mm_pause();
-      if (spins >= 4096) {
-        std::this_thread::yield();
-        spins = 0;
-      }
-    }
-  }
-};
-
-// A thread's view of its team: its number, the team's size and barrier, its barrier sense.
-struct Member {
-  int t, nth;
-  Barrier* bar;
-  int sense = 0;
-  void barrier() { bar->wait(sense, nth); }
-};
-
 static void post_run(const Post& P, Scratch& s, Member& me) {
   const int t = me.t, nth = me.nth;
   const int64_t T = P.T, D = P.D, I = P.I, A = P.A;
@@ -351,11 +431,13 @@ static void post_run(const Post& P, Scratch& s, Member& me) {
   float* h = s.f.data();  // [T, D]: x + o(a), this thread's copy
   float* hn = h + T * D;  // [T, D]: its norm
   if (pre) {
-    norm_gemm_share(pre->x, pre->ln, pre->eps, T, pre->Dm, pre->w, pre->yq, s, hn, t, nth);
+    norm_gemm_share(pre->x, pre->ln, pre->eps, T, pre->Dm, pre->w, pre->yq, s, hn, me);
     me.barrier();
     // Every row's heads, padding rows too (their cache slots are written before any read).
+    // Dealt out in turn: the k and v items (the last of each row) write cache rows that
+    // come from memory, and in halves one thread took them all (~3 us a layer, Zen 3).
     const int64_t per = pre->H + 2 * pre->Hkv, n = T * per, Dh = pre->D;
-    for (int64_t item = n * t / nth; item < n * (t + 1) / nth; item++) {
+    for (int64_t item = t; item < n; item += nth) {
       const int64_t m = item / per, c = item % per;
       const float* row = pre->yq + m * pre->w.N16 + c * Dh;
       const float* cs = pre->cos + m * pre->R;
@@ -392,14 +474,14 @@ static void post_run(const Post& P, Scratch& s, Member& me) {
     }
   }
   quantize_rows(ap, T, A, s.q.data(), s.xs.data(), o.K4, kFlip);
-  gemm_share(s.q.data(), s.xs.data(), T, o, yo, t, nth);
+  gemm_share(s.q.data(), s.xs.data(), T, o, yo, me);
   me.barrier();
   for (int64_t m = 0; m < T; m++) {
     for (int64_t k = 0; k < D; k++) h[m * D + k] = xp[m * D + k] + yo[m * o.N16 + k];
     rmsnorm_row(h + m * D, lnp, float(eps), D, hn + m * D);
   }
   quantize_rows(hn, T, D, s.q.data(), s.xs.data(), gu.K4, kFlip);
-  gemm_share(s.q.data(), s.xs.data(), T, gu, ygu, t, nth);
+  gemm_share(s.q.data(), s.xs.data(), T, gu, ygu, me);
   me.barrier();
   // The activations split by column, then every thread quantizes whole rows.
   const int64_t i0 = I * t / nth, i1 = I * (t + 1) / nth;
@@ -407,12 +489,12 @@ static void post_run(const Post& P, Scratch& s, Member& me) {
     silu_mul(ygu + m * gu.N16, ygu + m * gu.N16 + I, act + m * I, i0, i1);
   me.barrier();
   quantize_rows(act, T, I, s.q.data(), s.xs.data(), dn.K4, kFlip);
-  gemm_share(s.q.data(), s.xs.data(), T, dn, ydn, t, nth);
-  int64_t b0, b1;
-  share(dn.N16, t, nth, b0, b1);
-  const int64_t c1 = std::min(D, 16 * b1);
-  for (int64_t m = 0; m < T; m++)
-    for (int64_t k = 16 * b0; k < c1; k++) outp[m * D + k] = h[m * D + k] + ydn[m * dn.N16 + k];
+  // Each piece's residual as soon as it is computed, by the thread that computed it.
+  gemm_share(s.q.data(), s.xs.data(), T, dn, ydn, me, [&](int64_t c0, int64_t c1) {
+    const int64_t k1 = std::min(D, 16 * c1);
+    for (int64_t m = 0; m < T; m++)
+      for (int64_t k = 16 * c0; k < k1; k++) outp[m * D + k] = h[m * D + k] + ydn[m * dn.N16 + k];
+  });
 }
 
 // w8a8_post's work, its first GEMM's input being a [T, A] or, with ``att``, that attention's
@@ -446,11 +528,11 @@ static at::Tensor post_impl(const char* op, const at::Tensor* a_, mtpkit_attn::A
   const int nt = team();
   auto& sc = scratch(nt);
   post_fit(P, sc);
-  Barrier bar;
+  Team crew(nt);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     // The team OpenMP gave (num_threads is a request): every share is split by it.
-    Member me{omp_get_thread_num(), omp_get_num_threads(), &bar};
+    Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
     post_run(P, sc[me.t], me);
   }
   return out;
@@ -605,10 +687,10 @@ static at::Tensor trunk_impl(const at::Tensor& x_, const List& ln1, double eps1,
     post_bind(posts[l], shared.data(), o);
     post_fit(posts[l], sc);
   }
-  Barrier bar;
+  Team crew(nt);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    Member me{omp_get_thread_num(), omp_get_num_threads(), &bar};
+    Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
     for (size_t l = 0; l < n; l++) {
       if (l > 0) me.barrier();
       post_run(posts[l], sc[me.t], me);
