@@ -263,8 +263,8 @@ struct Scratch {
 
 constexpr uint8_t kFlip = MTPKIT_VNNI ? 0x80 : 0;  // a8_rows' activation form
 
-// rmsnorm(x) * ln of T rows of D into buf, quantized into s, against this thread's columns
-// of w -> y (w8a8_pre's work, and w8a8_layer's first stage).
+// rmsnorm(x) * ln of T rows of D into buf, quantized into s, against the columns of w this
+// thread claims -> y (w8a8_pre's work, and w8a8_layer's first stage).
 void norm_gemm_share(const float* x, const float* ln, float eps, int64_t T, int64_t D,
                      const Packed& w, float* y, Scratch& s, float* buf, Member& me) {
   for (int64_t m = 0; m < T; m++) rmsnorm_row(x + m * D, ln, eps, D, buf + m * D);
