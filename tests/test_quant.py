@@ -235,11 +235,13 @@ def _a8_float64(x, codes, scale):
     return (acc * xs[:, None]) * scale[None, :]
 
 
-@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23), (16, 1536), (3001, 100)])
+@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23), (16, 1536), (3001, 100),
+                                 (8000, 64)])
 def test_w8a8_reference_and_kernel_agree_bit_for_bit(n, k):
     """W8A8 layers: per-row int8 activations times int8 codes, summed exactly, so torch's
     reference and mtpkit's kernel give the same bits for every row, whatever rows are beside
-    it; extreme codes (-128) and an all-zero row included."""
+    it and however many threads claim its column blocks (1-3); extreme codes (-128) and an
+    all-zero row included."""
     g = torch.Generator().manual_seed(5)
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     codes[0, :] = -128
@@ -254,12 +256,18 @@ def test_w8a8_reference_and_kernel_agree_bit_for_bit(n, k):
     if not int8_mm_available():
         pytest.skip("mtpkit's int8 kernel does not build here")
     packed = pack_a8(codes, scale)
-    assert torch.equal(torch.ops.mtpkit.int8_a8_mm(x, *packed)[:, :n], want)
-    for rows in range(1, 8):
-        for start in range(0, 8 - rows, 3):
-            part = x[start:start + rows].contiguous()
-            assert torch.equal(torch.ops.mtpkit.int8_a8_mm(part, *packed)[:, :n],
-                               want[start:start + rows])
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            assert torch.equal(torch.ops.mtpkit.int8_a8_mm(x, *packed)[:, :n], want), nt
+            for rows in range(1, 8):
+                for start in range(0, 8 - rows, 3):
+                    part = x[start:start + rows].contiguous()
+                    assert torch.equal(torch.ops.mtpkit.int8_a8_mm(part, *packed)[:, :n],
+                                       want[start:start + rows]), (nt, rows, start)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _rms(x, ln, eps):

@@ -8,6 +8,7 @@
 
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
+#include <cstdint>
 #include <initializer_list>
 
 namespace mtpkit_shim {
@@ -21,26 +22,32 @@ inline at::Tensor& mut(AtenTensorHandle h) {
   return *torch::aot_inductor::tensor_handle_to_tensor_pointer(h);
 }
 
-// Asks for the metadata of a call's tensor arguments: the at::Tensor each handle points to,
-// its TensorImpl and its StorageImpl, level by level for all of them at once. A step reads
-// them once, and its weight stream (SmolLM2 W8A8: ~135 MB) evicts them from every cache
-// level before the next: read argument by argument, as a kernel's checks read them, each
-// costs a chain of three dependent misses. Asked for together, the misses overlap:
-// w8a8_layer (20 tensors) spent ~3 us a call before its first GEMM, ~1.5 us with this
-// (docs/benchmarks.md, session 27). A prefetch never faults, so an undefined tensor (no
-// storage) asks for address 0 harmlessly.
+// Reads the metadata of a call's tensor arguments ahead of its checks: the at::Tensor each
+// handle points to, its TensorImpl and its StorageImpl, level by level for all of them at
+// once. A step reads them once, and its weight stream (SmolLM2 W8A8: ~135 MB) evicts them
+// from every cache level before the next: read argument by argument, as a kernel's checks
+// read them, each costs a chain of three dependent misses. Read together, the misses
+// overlap: w8a8_layer (20 tensors) spent ~3 us a call before its first GEMM, ~1.5 us with
+// this (docs/benchmarks.md, session 27). Loads, not prefetches: w8a8_trunk's ~480 tensors
+// asked for by prefetches in one burst (~2,900 lines) mostly were not there when its checks
+// read them (0.3 us of warming, then 60-75 us of planning a decode step; with loads 14 + 21
+// us, Zen 5, session 29): probably dropped, a burst beyond the misses a core can track.
 inline void warm(const AtenTensorHandle* handles, int64_t n) {
-  for (int64_t i = 0; i < n; i++) __builtin_prefetch(handles[i]);
+  uintptr_t sink = 0;
+  for (int64_t i = 0; i < n; i++) sink += *reinterpret_cast<const volatile uintptr_t*>(handles[i]);
   for (int64_t i = 0; i < n; i++) {
     const char* impl = reinterpret_cast<const char*>(arg(handles[i]).unsafeGetTensorImpl());
-    for (size_t b = 0; b < sizeof(c10::TensorImpl); b += 64) __builtin_prefetch(impl + b);
+    for (size_t b = 0; b < sizeof(c10::TensorImpl); b += 64)
+      sink += *reinterpret_cast<const volatile char*>(impl + b);
   }
   for (int64_t i = 0; i < n; i++) {
     const char* storage = reinterpret_cast<const char*>(
         arg(handles[i]).unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
-    __builtin_prefetch(storage);
-    __builtin_prefetch(storage + 64);
+    if (storage)  // an undefined tensor has none
+      sink += *reinterpret_cast<const volatile char*>(storage) +
+              *reinterpret_cast<const volatile char*>(storage + 64);
   }
+  asm volatile("" ::"r"(sink));
 }
 inline void warm(std::initializer_list<AtenTensorHandle> handles) {
   warm(handles.begin(), int64_t(handles.size()));

@@ -38,11 +38,15 @@
 
 #include "int8_a8.h"
 #include "simd.h"
+#include "team.h"
 
 using mtpkit_a8::a8_rows;
-using mtpkit_simd::over_columns;
 using mtpkit_simd::over_rows;
 using mtpkit_simd::quantize_rows;
+using mtpkit_team::Member;
+using mtpkit_team::share_blocks;
+using mtpkit_team::Team;
+using mtpkit_team::team_size;
 
 #endif
 
@@ -76,12 +80,22 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
   const float* sp = sc.data_ptr<float>();
   const int32_t* cp = cc.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  over_columns<16>(N16, [&](int64_t n0, int64_t n1) {
+  auto run = [&](int64_t c0, int64_t c1) {
     over_rows(M, [&](auto R, int64_t m) {
-      a8_rows<R.value>(qp + m * K4, xsp + m, K4, wp, sp, cp, yp + m * N16, N16, n0 / 16,
-                       n1 / 16);
+      a8_rows<R.value>(qp + m * K4, xsp + m, K4, wp, sp, cp, yp + m * N16, N16, c0, c1);
     });
-  });
+  };
+  // Column blocks claimed by the team (team.h), ~16 KB pieces at least: the lm_head (28 MB
+  // for SmolLM2, a fifth of a step) in static halves left one thread waiting for the other
+  // where their streams ran unevenly, as the fused layers' GEMMs did on Zen 3 (session 28).
+  const int nt = team_size();
+  const int64_t piece = std::max<int64_t>(1, (16384 + 8 * K4) / (16 * K4));
+  Team crew(nt);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
+    share_blocks(N16 / 16, piece, me, run);
+  }
 #else
   TORCH_CHECK(false, "int8_a8_mm was built without AVX2/FMA");
 #endif

@@ -48,10 +48,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <atomic>
 #include <cstdint>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -61,6 +59,7 @@
 #include "attend.h"
 #include "int8_a8.h"
 #include "simd.h"
+#include "team.h"
 
 namespace {
 
@@ -68,6 +67,10 @@ using mtpkit_a8::a8_rows;
 using mtpkit_simd::hsum;
 using mtpkit_simd::over_rows;
 using mtpkit_simd::quantize_rows;
+using mtpkit_team::Member;
+using mtpkit_team::share_blocks;
+using mtpkit_team::Team;
+using mtpkit_team::team_size;
 
 // One packed W8A8 weight (linear.pack_a8): [N16, K4] codes, scales and column sums [N16].
 struct Packed {
@@ -91,102 +94,6 @@ Packed packed(const at::Tensor& w, const at::Tensor& s, const at::Tensor& colsum
   return {w.data_ptr<int8_t>(), s.data_ptr<float>(), colsum.data_ptr<int32_t>(), N16, K4};
 }
 
-// Thread t's static share of the column blocks of a GEMM with N16 columns.
-inline void share(int64_t N16, int t, int nt, int64_t& b0, int64_t& b1) {
-  const int64_t nb = N16 / 16;
-  b0 = nb * t / nt;
-  b1 = nb * (t + 1) / nt;
-}
-
-// A barrier for one region's team, made before the region (count and sense zero) and
-// shared by its threads, each with its own sense starting at zero. Against libgomp's
-// barrier (7 waits a layer), SmolLM2 W8A8 in-process A/B, session 27: decode -68 and -75
-// us, verification of 4 rows -79 (fast phase); -14 to -41 and -55 (slow phase). A thread
-// that spins long yields its core, for a team larger than the machine (tests run 3 threads
-// on 2 cores).
-struct Barrier {
-  alignas(64) std::atomic<int> count{0};
-  alignas(64) std::atomic<int> sense{0};
-
-  // Thread's wait, nth the team's size.
-  void wait(int& mine, int nth) {
-    if (nth == 1) return;
-    mine ^= 1;
-    if (count.fetch_add(1, std::memory_order_acq_rel) == nth - 1) {
-      count.store(0, std::memory_order_relaxed);
-      sense.store(mine, std::memory_order_release);
-      return;
-    }
-    for (int spins = 0; sense.load(std::memory_order_acquire) != mine; spins++) {
-      _mm_pause();
-      if (spins >= 4096) {
-        std::this_thread::yield();
-        spins = 0;
-      }
-    }
-  }
-};
-
-// One thread's share of the GEMM in hand, claimable from both ends: the owner takes column
-// blocks from the front, a thread done with its own share half of what is left from the
-// back (each keeps a long forward stream for its prefetches; stealing ~16 KB pieces instead
-// gained half as much on verification). Packed in one word for compare-and-swap: the GEMM's
-// number in the region (16 bits; a slot still holding an earlier GEMM's is that share
-// untouched), back and front (24 bits each).
-struct alignas(64) Slot {
-  std::atomic<uint64_t> w{0};
-};
-
-// Why shares move: on Zen 3 (2 cores, ~25 GB/s), a SmolLM2 W8A8 decode step's threads each
-// waited ~11% of the step at the barriers after the GEMMs (rdtsc timers, session 28: 8 us a
-// thread after gate_up's 1.8 MB), one core's stream running ahead of the other's by turns.
-// In-process A/B against static halves: verification of 4 rows -362 and -464 us (of ~10
-// ms), decode -40 us at 128 positions, -52 at 512. A column's arithmetic does not depend on
-// the thread that computes it, so no bit changes.
-struct Team {
-  Barrier bar;
-  std::vector<Slot> slots;
-  explicit Team(int nt) : slots(nt) {}
-};
-
-// A thread's view of its team: its number, the team's size, barrier and slots, its barrier
-// sense and how many GEMMs it has shared.
-struct Member {
-  int t, nth;
-  Team* team;
-  int sense = 0;
-  uint64_t gemms = 0;
-  void barrier() { team->bar.wait(sense, nth); }
-};
-
-inline uint64_t slot_word(uint64_t g, int64_t front, int64_t back) {
-  return (g & 0xffff) << 48 | uint64_t(back) << 24 | uint64_t(front);
-}
-
-// Claims blocks of thread v's share of GEMM g (static share [b0, b1)) into [c0, c1): a
-// quarter of what is left from its front (few claims), or half from its back, at least n;
-// false once it is empty.
-inline bool claim(Slot& slot, uint64_t g, int64_t b0, int64_t b1, int64_t n, bool back,
-                  int64_t& c0, int64_t& c1) {
-  uint64_t w = slot.w.load(std::memory_order_acquire);
-  for (;;) {
-    if ((w >> 48) != (g & 0xffff)) {  // untouched: set it to the whole share first
-      const uint64_t fresh = slot_word(g, b0, b1);
-      if (slot.w.compare_exchange_weak(w, fresh, std::memory_order_acq_rel)) w = fresh;
-      continue;
-    }
-    const int64_t f = int64_t(w & 0xffffff), b = int64_t(w >> 24 & 0xffffff);
-    if (f >= b) return false;
-    const int64_t k = std::min(std::max(n, back ? (b - f) / 2 : (b - f) / 4), b - f);
-    const uint64_t next = back ? slot_word(g, f, b - k) : slot_word(g, f + k, b);
-    if (slot.w.compare_exchange_weak(w, next, std::memory_order_acq_rel)) {
-      c0 = back ? b - k : f;
-      c1 = back ? b : f + k;
-      return true;
-    }
-  }
-}
-
 // Quantized rows q [T, K4] (scales xs [T]) against column blocks of w -> y [T, N16], shared
 // by the team: this thread's own share front to back, then halves of what the others have
 // left, from the back, in pieces of at least ~16 KB; done(c0, c1) after each piece, for the
@@ -194,29 +101,14 @@ inline bool claim(Slot& slot, uint64_t g, int64_t b0, int64_t b1, int64_t n, boo
 template <class Done>
 void gemm_share(const int8_t* q, const float* xs, int64_t T, const Packed& w, float* y,
                 Member& me, const Done& done) {
-  auto run = [&](int64_t c0, int64_t c1) {
+  const int64_t piece = std::max<int64_t>(1, (16384 + 8 * w.K4) / (16 * w.K4));
+  share_blocks(w.N16 / 16, piece, me, [&](int64_t c0, int64_t c1) {
     over_rows(T, [&](auto R, int64_t m) {
       a8_rows<R.value>(q + m * w.K4, xs + m, w.K4, w.w, w.s, w.colsum, y + m * w.N16, w.N16, c0,
                        c1);
     });
     done(c0, c1);
-  };
-  int64_t b0, b1, c0, c1;
-  if (me.nth == 1) {
-    share(w.N16, 0, 1, b0, b1);
-    if (b0 < b1) run(b0, b1);
-    return;
-  }
-  const uint64_t g = ++me.gemms;
-  const int64_t piece = std::max<int64_t>(1, (16384 + 8 * w.K4) / (16 * w.K4));
-  share(w.N16, me.t, me.nth, b0, b1);
-  Slot& own = me.team->slots[me.t];
-  while (claim(own, g, b0, b1, piece, false, c0, c1)) run(c0, c1);
-  for (int i = 1; i < me.nth; i++) {
-    const int v = (me.t + i) % me.nth;
-    share(w.N16, v, me.nth, b0, b1);
-    while (claim(me.team->slots[v], g, b0, b1, piece, true, c0, c1)) run(c0, c1);
-  }
+  });
 }
 
 inline void gemm_share(const int8_t* q, const float* xs, int64_t T, const Packed& w, float* y,
@@ -278,12 +170,6 @@ std::vector<Scratch>& scratch(int nt) {
   return s;
 }
 
-int team() {
-  // Inside another parallel region (a caller's at::parallel_for) the work runs on this
-  // thread alone, as at::parallel_for would run it.
-  return omp_in_parallel() ? 1 : std::max(1, at::get_num_threads());
-}
-
 void check_rows(const at::Tensor& x, int64_t D, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == D,
               "w8a8 block: ", name, " must be float32 [T, ", D, "]");
@@ -305,7 +191,7 @@ static at::Tensor w8a8_pre(const at::Tensor& x_, const at::Tensor& ln_, double e
   const at::Tensor x = x_.contiguous(), ln = contig_vec(ln_, D, "ln");
   const Packed w = packed(w_, s_, c_, D, "the weight");
   at::Tensor y = at::empty({T, w.N16}, x.options());
-  const int nt = team();
+  const int nt = team_size();
   auto& sc = scratch(nt);
   for (auto& s : sc) s.fit(T * D, T * w.K4, T);
   const float* xp = x.data_ptr<float>();
@@ -372,19 +258,20 @@ struct Post {
 };
 
 // Checks a layer's operands after the attention -> its Post (buffers unset; ``ap`` for a
-// caller's [T, A] input). The tensors behind the pointers must outlive the region.
+// caller's [T, A] input); x, the residual, is [T, D] at xp. The tensors behind the pointers
+// must outlive the region.
 static Post post_plan(const char* op, int64_t T, int64_t A, mtpkit_attn::Attend* att, Pre* pre,
-                      const at::Tensor& x, const at::Tensor& ow_, const at::Tensor& os_,
+                      int64_t D, const float* xp, const at::Tensor& ow_, const at::Tensor& os_,
                       const at::Tensor& oc_, const at::Tensor& ln, double eps,
                       const at::Tensor& guw_, const at::Tensor& gus_, const at::Tensor& guc_,
                       const at::Tensor& dw_, const at::Tensor& ds_, const at::Tensor& dc_,
                       int64_t inter) {
-  const int64_t D = x.size(1), I = inter;
+  const int64_t I = inter;
   const Packed o = packed(ow_, os_, oc_, A, "o_proj"), gu = packed(guw_, gus_, guc_, D, "gate_up"),
                dn = packed(dw_, ds_, dc_, I, "down_proj");
   TORCH_CHECK(o.N16 >= D && gu.N16 >= 2 * I && dn.N16 >= D,
               op, ": o_proj / down_proj must give D columns and gate_up 2 * inter");
-  return {att, pre, nullptr, x.data_ptr<float>(), ln.data_ptr<float>(), float(eps), o, gu, dn,
+  return {att, pre, nullptr, xp, ln.data_ptr<float>(), float(eps), o, gu, dn,
           T, D, I, A, nullptr, nullptr, nullptr, nullptr, nullptr};
 }
 
@@ -517,15 +404,15 @@ static at::Tensor post_impl(const char* op, const at::Tensor* a_, mtpkit_attn::A
   }
   check_rows(x_, D, "x");
   const at::Tensor x = x_.contiguous(), ln = contig_vec(ln_, D, pre ? "ln2" : "ln");
-  Post P = post_plan(op, T, A, att, pre, x, ow_, os_, oc_, ln, eps, guw_, gus_, guc_, dw_, ds_,
-                     dc_, inter);
+  Post P = post_plan(op, T, A, att, pre, D, x.data_ptr<float>(), ow_, os_, oc_, ln, eps, guw_,
+                     gus_, guc_, dw_, ds_, dc_, inter);
   // at::empty's dispatch cost ~10 us a step (30 calls; in-process A/B, session 27).
   at::Tensor out = at::detail::empty_cpu({T, D}, at::kFloat, /*pin_memory=*/false);
   thread_local std::vector<float> shared;
   if ((int64_t)shared.size() < post_shared(P)) shared.resize(post_shared(P));
   post_bind(P, shared.data(), out.data_ptr<float>());
   if (!att) P.ap = a.data_ptr<float>();
-  const int nt = team();
+  const int nt = team_size();
   auto& sc = scratch(nt);
   post_fit(P, sc);
   Team crew(nt);
@@ -566,13 +453,13 @@ static int64_t qbuf_size(int64_t T, const at::Tensor& qw, const at::Tensor& kbuf
 // w8a8_layer's checks of a layer's operands up to its attention: x [T, Dm] (contiguous, the
 // caller's), cos/sin [T, R] and pos [T] (contiguous) -> its Pre and its attention's plan,
 // with its q/k/v rows and rotated queries in qbuf (qbuf_size floats).
-static void layer_plan(const char* op, const at::Tensor& x, const at::Tensor& ln1, double eps1,
+static void layer_plan(const char* op, int64_t T, int64_t Dm, const float* xp,
+                       const at::Tensor& ln1, double eps1,
                        const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qc,
                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kbuf,
                        const at::Tensor& vbuf, const at::Tensor& pos, int64_t span, int64_t rows,
                        int64_t heads, float* qbuf, Pre& pre,
                        std::optional<mtpkit_attn::Attend>& att) {
-  const int64_t T = x.size(0), Dm = x.size(1);
   TORCH_CHECK(ln1.dim() == 1 && ln1.size(0) == Dm && ln1.scalar_type() == at::kFloat &&
                   ln1.is_contiguous(),
               op, ": ln1 must be float32 [", Dm, "] and contiguous");
@@ -598,7 +485,7 @@ static void layer_plan(const char* op, const at::Tensor& x, const at::Tensor& ln
   att.emplace(qrot, H * D, D, kbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
               vbuf.data_ptr<float>(), vbuf.stride(1), vbuf.stride(2), T, H, Hkv, span, D, pp,
               rows, op);
-  pre = Pre{x.data_ptr<float>(), ln1.data_ptr<float>(), float(eps1), w, Dm,
+  pre = Pre{xp, ln1.data_ptr<float>(), float(eps1), w, Dm,
             cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1),
             kbuf.data_ptr<float>(), vbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
             vbuf.stride(1), vbuf.stride(2), pp, H, Hkv, D, qbuf, qrot};
@@ -623,7 +510,7 @@ static at::Tensor w8a8_layer(const at::Tensor& x_, const at::Tensor& ln1_, doubl
   if ((int64_t)qbuf.size() < nq) qbuf.resize(nq);
   Pre pre;
   std::optional<mtpkit_attn::Attend> att;
-  layer_plan("w8a8_layer", x, ln1, eps1, qw, qs, qc, cos, sin, kbuf, vbuf, pos, span, rows, heads,
+  layer_plan("w8a8_layer", x.size(0), x.size(1), x.data_ptr<float>(), ln1, eps1, qw, qs, qc, cos, sin, kbuf, vbuf, pos, span, rows, heads,
              qbuf.data(), pre, att);
   return post_impl("w8a8_layer", nullptr, &*att, &pre, x, ow, os, oc, ln2, eps2, guw, gus, guc,
                    dw, ds, dc, inter);
@@ -662,25 +549,23 @@ static at::Tensor trunk_impl(const at::Tensor& x_, const List& ln1, double eps1,
   std::vector<std::optional<mtpkit_attn::Attend>> atts(n);
   std::vector<Post> posts;
   posts.reserve(n);
-  std::vector<at::Tensor> ins;  // each layer's input as a tensor (for the checks' shapes)
-  ins.reserve(n);
   int64_t nshared = 0;
   for (size_t l = 0; l < n; l++) {
-    float* in = l == 0 ? x.data_ptr<float>() : pingpong.data() + ((l + 1) % 2) * T * Dm;
-    ins.push_back(l == 0 ? x : at::from_blob(in, {T, Dm}, at::kFloat));
-    layer_plan(op, ins[l], ln1[l], eps1, qw[l], qs[l], qc[l], cos, sin, kbufs[l], vbufs[l], pos,
+    // Raw pointers, no tensors: a tensor made for each layer's input cost ~0.35 us a layer.
+    const float* in = l == 0 ? x.data_ptr<float>() : pingpong.data() + ((l + 1) % 2) * T * Dm;
+    layer_plan(op, T, Dm, in, ln1[l], eps1, qw[l], qs[l], qc[l], cos, sin, kbufs[l], vbufs[l], pos,
                span, rows, heads, qbuf.data(), pres[l], atts[l]);
     TORCH_CHECK(ln2[l].dim() == 1 && ln2[l].size(0) == Dm && ln2[l].is_contiguous() &&
                     ln2[l].scalar_type() == at::kFloat,
                 op, ": ln2 must be float32 [", Dm, "] and contiguous");
     mtpkit_attn::Attend& a = *atts[l];
-    posts.push_back(post_plan(op, T, a.H * a.D, &a, &pres[l], ins[l], ow[l], os[l], oc[l], ln2[l],
+    posts.push_back(post_plan(op, T, a.H * a.D, &a, &pres[l], Dm, in, ow[l], os[l], oc[l], ln2[l],
                               eps2, guw[l], gus[l], guc[l], dw[l], ds[l], dc[l], inter));
     TORCH_CHECK(posts[l].o.N16 >= Dm && posts[l].dn.N16 >= Dm, op, ": widths differ by layer");
     nshared = std::max(nshared, post_shared(posts[l]));
   }
   if ((int64_t)shared.size() < nshared) shared.resize(nshared);
-  const int nt = team();
+  const int nt = team_size();
   auto& sc = scratch(nt);
   for (size_t l = 0; l < n; l++) {
     float* o = l + 1 == n ? out.data_ptr<float>() : pingpong.data() + (l % 2) * T * Dm;
@@ -861,8 +746,11 @@ extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_
                              {gu_s, gu_s_len_}, {gu_colsum, gu_colsum_len_},
                              {down_w, down_w_len_}, {down_s, down_s_len_},
                              {down_colsum, down_colsum_len_}};
-    mtpkit_shim::warm({x, cos, sin, pos});
-    for (const Handles& l : lists) mtpkit_shim::warm(l.h, l.n);
+    // Every argument's metadata in one pass, all misses of a level together (~480 tensors).
+    thread_local std::vector<AtenTensorHandle> all;
+    all.assign({x, cos, sin, pos});
+    for (const Handles& l : lists) all.insert(all.end(), l.h, l.h + l.n);
+    mtpkit_shim::warm(all.data(), int64_t(all.size()));
     *ret0 = torch::aot_inductor::new_tensor_handle(trunk_impl(
         arg(x), lists[0], eps1, lists[1], lists[2], lists[3], arg(cos), arg(sin), lists[4],
         lists[5], arg(pos), span, rows, heads, lists[6], lists[7], lists[8], lists[9], eps2,

@@ -1,0 +1,141 @@
+// An OpenMP region's team for mtpkit's GEMM kernels: a spin barrier and column blocks shared
+// by claiming (w8a8_block.cpp's fused layers, int8_a8_mm.cpp's lone GEMMs).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include <immintrin.h>
+#include <omp.h>
+
+namespace mtpkit_team {
+
+// A barrier for one region's team, made before the region (count and sense zero) and
+// shared by its threads, each with its own sense starting at zero. Against libgomp's
+// barrier (7 waits a layer), SmolLM2 W8A8 in-process A/B, session 27: decode -68 and -75
+// us, verification of 4 rows -79 (fast phase); -14 to -41 and -55 (slow phase). A thread
+// that spins long yields its core, for a team larger than the machine (tests run 3 threads
+// on 2 cores).
+struct Barrier {
+  alignas(64) std::atomic<int> count{0};
+  alignas(64) std::atomic<int> sense{0};
+
+  // Thread's wait, nth the team's size.
+  void wait(int& mine, int nth) {
+    if (nth == 1) return;
+    mine ^= 1;
+    if (count.fetch_add(1, std::memory_order_acq_rel) == nth - 1) {
+      count.store(0, std::memory_order_relaxed);
+      sense.store(mine, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; sense.load(std::memory_order_acquire) != mine; spins++) {
+      _mm_pause();
+      if (spins >= 4096) {
+        std::this_thread::yield();
+        spins = 0;
+      }
+    }
+  }
+};
+
+// One thread's share of the GEMM in hand, claimable from both ends: the owner takes column
+// blocks from the front, a thread done with its own share half of what is left from the
+// back (each keeps a long forward stream for its prefetches; stealing ~16 KB pieces instead
+// gained half as much on verification). Packed in one word for compare-and-swap: the GEMM's
+// number in the region (16 bits; a slot still holding an earlier GEMM's is that share
+// untouched), back and front (24 bits each).
+struct alignas(64) Slot {
+  std::atomic<uint64_t> w{0};
+};
+
+// Why shares move: on Zen 3 (2 cores, ~25 GB/s), a SmolLM2 W8A8 decode step's threads each
+// waited ~11% of the step at the barriers after the GEMMs (rdtsc timers, session 28: 8 us a
+// thread after gate_up's 1.8 MB), one core's stream running ahead of the other's by turns.
+// In-process A/B against static halves: verification of 4 rows -362 and -464 us (of ~10
+// ms), decode -40 us at 128 positions, -52 at 512. A column's arithmetic does not depend on
+// the thread that computes it, so no bit changes.
+struct Team {
+  Barrier bar;
+  std::vector<Slot> slots;
+  explicit Team(int nt) : slots(nt) {}
+};
+
+// A thread's view of its team: its number, the team's size, barrier and slots, its barrier
+// sense and how many GEMMs it has shared.
+struct Member {
+  int t, nth;
+  Team* team;
+  int sense = 0;
+  uint64_t gemms = 0;
+  void barrier() { team->bar.wait(sense, nth); }
+};
+
+// The team size for a region: inside another parallel region (a caller's at::parallel_for)
+// the work runs on this thread alone, as at::parallel_for would run it.
+inline int team_size() {
+  return omp_in_parallel() ? 1 : std::max(1, at::get_num_threads());
+}
+
+// Thread t's static share [b0, b1) of nb blocks.
+inline void share(int64_t nb, int t, int nt, int64_t& b0, int64_t& b1) {
+  b0 = nb * t / nt;
+  b1 = nb * (t + 1) / nt;
+}
+
+inline uint64_t slot_word(uint64_t g, int64_t front, int64_t back) {
+  return (g & 0xffff) << 48 | uint64_t(back) << 24 | uint64_t(front);
+}
+
+// Claims blocks of thread v's share of GEMM g (static share [b0, b1)) into [c0, c1): a
+// quarter of what is left from its front (few claims), or half from its back, at least n;
+// false once it is empty.
+inline bool claim(Slot& slot, uint64_t g, int64_t b0, int64_t b1, int64_t n, bool back,
+                  int64_t& c0, int64_t& c1) {
+  uint64_t w = slot.w.load(std::memory_order_acquire);
+  for (;;) {
+    if ((w >> 48) != (g & 0xffff)) {  // untouched: set it to the whole share first
+      const uint64_t fresh = slot_word(g, b0, b1);
+      if (slot.w.compare_exchange_weak(w, fresh, std::memory_order_acq_rel)) w = fresh;
+      continue;
+    }
+    const int64_t f = int64_t(w & 0xffffff), b = int64_t(w >> 24 & 0xffffff);
+    if (f >= b) return false;
+    const int64_t k = std::min(std::max(n, back ? (b - f) / 2 : (b - f) / 4), b - f);
+    const uint64_t next = back ? slot_word(g, f, b - k) : slot_word(g, f + k, b);
+    if (slot.w.compare_exchange_weak(w, next, std::memory_order_acq_rel)) {
+      c0 = back ? b - k : f;
+      c1 = back ? b : f + k;
+      return true;
+    }
+  }
+}
+
+// nb blocks (nb < 2^24) shared by the team: this thread's own share front to back, then
+// halves of what the others have left, from the back, at least `piece` blocks a claim;
+// run(c0, c1) for each claimed piece [c0, c1). Every member calls it once per GEMM, in the
+// same order as the others.
+template <class Run>
+void share_blocks(int64_t nb, int64_t piece, Member& me, const Run& run) {
+  int64_t b0, b1, c0, c1;
+  if (me.nth == 1) {
+    if (nb > 0) run(int64_t(0), nb);
+    return;
+  }
+  const uint64_t g = ++me.gemms;
+  share(nb, me.t, me.nth, b0, b1);
+  Slot& own = me.team->slots[me.t];
+  while (claim(own, g, b0, b1, piece, false, c0, c1)) run(c0, c1);
+  for (int i = 1; i < me.nth; i++) {
+    const int v = (me.t + i) % me.nth;
+    share(nb, v, me.nth, b0, b1);
+    while (claim(me.team->slots[v], g, b0, b1, piece, true, c0, c1)) run(c0, c1);
+  }
+}
+
+}  // namespace mtpkit_team
