@@ -433,7 +433,7 @@ def test_w8a8_layer_is_pre_rotary_cache_then_attn_post(heads, kv_heads, dim, rot
 def test_w8a8_trunk_is_w8a8_layer_in_turn(heads, kv_heads, dim, rot):
     """mtpkit::w8a8_trunk (whole W8A8 layers in one region) gives the bits of w8a8_layer
     called layer after layer, outputs and every layer's caches, for 1-5 rows, padding rows
-    and 1-3 threads; lists of unequal length are refused."""
+    and 1-3 threads; lists of unequal length, and a later layer's bad operand, are refused."""
     from mtpkit.models.layers import Rotary
 
     if not int8_mm_available():
@@ -470,6 +470,19 @@ def test_w8a8_trunk_is_w8a8_layer_in_turn(heads, kv_heads, dim, rot):
             x, ln1s, 1e-5, qw, qs, qc, cos, sin, [c[0] for c in caches],
             [c[1] for c in caches], pos + 200, span, rows, heads, ow, os_, oc, ln2s, 1e-6,
             guw, gus, guc, dw, ds, dc, inter)
+    # A later layer's bad operand is refused too, whatever the team.
+    bad_ln2 = [*ln2s[:1], ln2s[1][:-1], *ln2s[2:]]
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with pytest.raises(RuntimeError, match=r"w8a8_trunk: ln2 must be float32 \[40\]"):
+                torch.ops.mtpkit.w8a8_trunk(
+                    x, ln1s, 1e-5, qw, qs, qc, cos, sin, [c[0] for c in caches],
+                    [c[1] for c in caches], pos, span, rows, heads, ow, os_, oc, bad_ln2, 1e-6,
+                    guw, gus, guc, dw, ds, dc, inter)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _a4_float64(x, layer):
