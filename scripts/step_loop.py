@@ -38,8 +38,8 @@ def main(path: str, k: int, n: int, reps: int) -> None:
     at, span = torch.tensor([context]), dec.span(context + 2 * k + 2)
     tok, toks = torch.tensor([[11]]), torch.full((1, k + 1), 11)
     decode, verify = dec.program("decode"), dec.program("verify", k + 1)
-    calls = {"decode": lambda: decode(tok, at, dec.kc, dec.vc, span),
-             "verify": lambda: verify(toks, at, dec.kc, dec.vc, span)}
+    calls = {"decode": lambda: decode(tok, at, *dec.kv, span),
+             "verify": lambda: verify(toks, at, *dec.kv, span)}
 
     def turn(fn) -> float:
         t = time.perf_counter()

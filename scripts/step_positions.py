@@ -40,8 +40,8 @@ def main(path: str) -> None:
             line = []
             for mode in ("fixed", "advancing"):
                 times = []
-                for prog, tokens, bufs in ((decode, one, (dec.kc, dec.vc)),
-                                           (round_, two, (dec.kc, dec.vc, dec.hk, dec.hv))):
+                for prog, tokens, bufs in ((decode, one, dec.kv),
+                                           (round_, two, (*dec.kv, dec.hk, dec.hv))):
                     dec.prefill(prompt, 1)
                     start = time.perf_counter()
                     for i in range(n):
@@ -54,7 +54,7 @@ def main(path: str) -> None:
             start = time.perf_counter()
             for _ in range(n):
                 tokens = torch.cat([pending.view(1), drafts[:1]])[None]
-                out, _ = round_(tokens, torch.tensor([at]), dec.kc, dec.vc, dec.hk, dec.hv,
+                out, _ = round_(tokens, torch.tensor([at]), *dec.kv, dec.hk, dec.hv,
                                 dec.span(at + max(SPAN_STEP, 4)))
                 accepted = out.tolist()[2]
                 drafts, pending = out[3:], out[accepted : accepted + 1]

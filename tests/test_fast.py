@@ -389,11 +389,11 @@ def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines, 
 
 
 @pytest.mark.parametrize("scheme, gemm", [("w4a8-lm", "int4_a8_mm"), ("fp32", "f32_mm"),
-                                          ("w8a8-lm", "w8a8_trunk")])
+                                          ("w8a8-lm", "w8a8_trunk_kv")])
 def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path, scheme, gemm):
     """Ahead-of-time programs of a W4A8 or fp32 trunk call mtpkit's kernels through their C
     entry points (no boxed dispatch per call) and decode, with and without MTP, the eager
-    engine's tokens."""
+    engine's tokens; a W8A8 trunk runs as one op taking its caches stacked (two inputs)."""
     import zipfile
 
     engine = quantized_engines[scheme]
@@ -410,12 +410,13 @@ def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path,
             wrapper = "".join(z.read(n).decode() for n in z.namelist()
                               if n.endswith(".wrapper.cpp"))
         # W8A8 trunks run as one op, attention included; the others call attend_rows.
-        ops = (gemm, "argmax_rows") + (() if gemm == "w8a8_trunk" else ("attend_rows",))
-        for op in ops:
-            assert f"aoti_torch_cpu_{op}(" in wrapper, (package.name, op)
+        ops = (gemm, "argmax_rows") + (() if gemm == "w8a8_trunk_kv" else ("attend_rows",))
+        for op in ops:  # called, not only declared
+            assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in wrapper, (package, op)
         assert "call_function(" not in wrapper  # the proxy executor's boxed calls
-        if gemm == "w8a8_trunk":  # it writes the caches in place: no copy of them
+        if gemm == "w8a8_trunk_kv":  # it writes the caches in place: no copy of them
             assert "aoti_torch_clone" not in wrapper and "aoti_torch_copy_" not in wrapper
+            assert dec.kv[0].dim() == 5 and dec.kc[0].data_ptr() == dec.kv[0].data_ptr()
 
 
 def test_program_keys_tell_w8a8_from_w8a16(quantized_engines):

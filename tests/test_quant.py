@@ -433,7 +433,8 @@ def test_w8a8_layer_is_pre_rotary_cache_then_attn_post(heads, kv_heads, dim, rot
 def test_w8a8_trunk_is_w8a8_layer_in_turn(heads, kv_heads, dim, rot):
     """mtpkit::w8a8_trunk (whole W8A8 layers in one region) gives the bits of w8a8_layer
     called layer after layer, outputs and every layer's caches, for 1-5 rows, padding rows
-    and 1-3 threads; lists of unequal length, and a later layer's bad operand, are refused."""
+    and 1-3 threads, with the caches as lists or stacked (w8a8_trunk_kv); lists of unequal
+    length, and a later layer's bad operand, are refused."""
     from mtpkit.models.layers import Rotary
 
     if not int8_mm_available():
@@ -455,11 +456,18 @@ def test_w8a8_trunk_is_w8a8_layer_in_turn(heads, kv_heads, dim, rot):
         for (ln1, qkv, o, ln2, gu, dn), c in zip(layers, ref, strict=True):
             want = torch.ops.mtpkit.w8a8_layer(want, ln1, 1e-5, *qkv, cos, sin, c[0], c[1], pos,
                                                span, rows, heads, *o, ln2, 1e-6, *gu, *dn, inter)
+        stacked = caches.clone()
         got = torch.ops.mtpkit.w8a8_trunk(
             x, ln1s, 1e-5, qw, qs, qc, cos, sin, [c[0] for c in caches], [c[1] for c in caches],
             pos, span, rows, heads, ow, os_, oc, ln2s, 1e-6, guw, gus, guc, dw, ds, dc, inter)
         assert torch.equal(got, want), (n, pos, rows)
         assert torch.equal(caches, ref), (n, pos, rows)
+        # The same with each cache list as one stacked tensor (strided views here).
+        got = torch.ops.mtpkit.w8a8_trunk_kv(
+            x, ln1s, 1e-5, qw, qs, qc, cos, sin, stacked[:, 0], stacked[:, 1], pos, span, rows,
+            heads, ow, os_, oc, ln2s, 1e-6, guw, gus, guc, dw, ds, dc, inter)
+        assert torch.equal(got, want), (n, pos, rows)
+        assert torch.equal(stacked, ref), (n, pos, rows)
     with pytest.raises(RuntimeError, match="w8a8_trunk: every list needs one entry a layer"):
         torch.ops.mtpkit.w8a8_trunk(
             x, ln1s[:2], 1e-5, qw, qs, qc, cos, sin, [c[0] for c in caches],
@@ -470,6 +478,10 @@ def test_w8a8_trunk_is_w8a8_layer_in_turn(heads, kv_heads, dim, rot):
             x, ln1s, 1e-5, qw, qs, qc, cos, sin, [c[0] for c in caches],
             [c[1] for c in caches], pos + 200, span, rows, heads, ow, os_, oc, ln2s, 1e-6,
             guw, gus, guc, dw, ds, dc, inter)
+    with pytest.raises(RuntimeError, match=r"w8a8_trunk_kv: caches must be float32 \[layers"):
+        torch.ops.mtpkit.w8a8_trunk_kv(
+            x, ln1s, 1e-5, qw, qs, qc, cos, sin, caches[:2, 0], caches[:2, 1], pos, span, rows,
+            heads, ow, os_, oc, ln2s, 1e-6, guw, gus, guc, dw, ds, dc, inter)
     # A later layer's bad operand is refused too, whatever the team.
     bad_ln2 = [*ln2s[:1], ln2s[1][:-1], *ln2s[2:]]
     threads = torch.get_num_threads()

@@ -54,13 +54,13 @@ def step_costs(engine, backend: str, k: int, context: int = 128, repeats: int = 
     toks = torch.full((1, k + 1), 11, device=dev)
     # Every program is built (or loaded) before any is timed.
     decode, verify = dec.program("decode"), dec.program("verify", k + 1)
-    calls = {"decode": lambda: decode(tok, at, dec.kc, dec.vc, span),
-             "verify": lambda: verify(toks, at, dec.kc, dec.vc, span)}
+    calls = {"decode": lambda: decode(tok, at, *dec.kv, span),
+             "verify": lambda: verify(toks, at, *dec.kv, span)}
     if dec.has_mtp:
         draft, rnd = dec.program("draft_step"), dec.program("round", k + 1, k)
         state = torch.zeros(1, 1, model.config.hidden_size, device=dev, dtype=dec.kc[0].dtype)
         calls["draft"] = lambda: draft(tok, state, at, dec.hk, dec.hv, span)
-        calls["round"] = lambda: rnd(toks, at, dec.kc, dec.vc, dec.hk, dec.hv, span)
+        calls["round"] = lambda: rnd(toks, at, *dec.kv, dec.hk, dec.hv, span)
     build_s = time.perf_counter() - t0
     per_turn = []
     for _ in range(turns):

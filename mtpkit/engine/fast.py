@@ -294,8 +294,11 @@ def _w8a8_trunk(layers, fused, x, cos, sin, kc, vc, pos, mask, rows) -> torch.Te
             acc.append(v)
     ln1, qw, qs, qc, ow, os_, oc, ln2, guw, gus, guc, dw, ds, dc = ops
     first = layers[0]
-    out = torch.ops.mtpkit.w8a8_trunk(
-        x.reshape(t, d), ln1, first.input_layernorm.eps, qw, qs, qc, cos, sin, list(kc), list(vc),
+    # Stacked caches (FastDecoder.kv) go in whole, lists a tensor a layer.
+    op, caches = ((torch.ops.mtpkit.w8a8_trunk_kv, (kc, vc)) if isinstance(kc, torch.Tensor)
+                  else (torch.ops.mtpkit.w8a8_trunk, (list(kc), list(vc))))
+    out = op(
+        x.reshape(t, d), ln1, first.input_layernorm.eps, qw, qs, qc, cos, sin, *caches,
         pos, mask.shape[-1], rows, first.self_attn.num_heads, ow, os_, oc, ln2,
         first.post_attention_layernorm.eps, guw, gus, guc, dw, ds, dc,
         first.mlp.down_proj.in_features)
@@ -406,7 +409,8 @@ class Programs(nn.Module):
     def trunk(self, ids, pos, kc, vc, span=None, rows: int | None = None):
         """Trunk states (after, before the final norm) [1, T, D] of tokens [1, T] at pos;
         attention reads the first len(span) cache slots (all without a span); ``rows``:
-        attend that many leading rows one at a time (the rest are padding)."""
+        attend that many leading rows one at a time (the rest are padding). kc, vc: a
+        cache a layer, or each stacked in one tensor (FastDecoder.kv)."""
         m = self.model
         mask = _mask(pos, _span(span, kc[0]), self.groups)
         cos, sin = m.rotary.cos_sin(pos)
@@ -416,6 +420,10 @@ class Programs(nn.Module):
                 and all(_w8a8_whole(layer, x, kc[0], rows) for layer in layers)):
             x = _w8a8_trunk(layers, self.fused, x, cos, sin, kc, vc, pos, mask, rows)
             return m.model.norm(x), x
+        if isinstance(kc, torch.Tensor) and (torch.compiler.is_compiling()
+                                             or torch.compiler.is_exporting()):
+            # Each layer would write a view of a compiled step's input: a copy of it all.
+            raise RuntimeError("stacked caches compile only as one w8a8_trunk op")
         for i, layer in enumerate(layers):
             fused = None if self.fused is None else self.fused[i]
             step = _w8a8_block if fused is not None and self.w8a8_blocks[i] else _block
@@ -695,9 +703,24 @@ class FastDecoder:
                 return torch.zeros(shape, dtype=dtype, device=self.device)
 
         # One tensor per layer, not one stacked tensor: a compiled step writes a whole
-        # input tensor in place, where a view of a stacked buffer would be copied.
-        self.kc = [buf() for _ in model.model.layers]
-        self.vc = [buf() for _ in model.model.layers]
+        # input tensor in place, where a view of a stacked buffer would be copied. Trunks
+        # that run as one w8a8_trunk op are the exception: their steps take each cache list
+        # as one tensor [layers, 1, Hkv, L, hd] that the op writes in place
+        # (w8a8_trunk_kv), 2 inputs where there were 60 for SmolLM2 (an AOTInductor call's
+        # ~40 us -> ~18 with its metadata evicted, Zen 5, session 29); kc and vc are then
+        # views of those (for eager calls: a compiled step given 60 views of one buffer ran
+        # ~100x slow). ``kv``: the caches as the compiled steps take them.
+        layers = len(model.model.layers)
+        if self.programs.w8a8_trunk:
+            with torch.inference_mode(False):
+                kstack, vstack = (torch.zeros((layers, *shape), dtype=dtype, device=self.device)
+                                  for _ in range(2))
+            self.kc, self.vc = list(kstack.unbind(0)), list(vstack.unbind(0))
+            self.kv: tuple = (kstack, vstack)
+        else:
+            self.kc = [buf() for _ in range(layers)]
+            self.vc = [buf() for _ in range(layers)]
+            self.kv = (self.kc, self.vc)
         self.hk = self.hv = None
         if model.mtp is not None:
             self.hk, self.hv = buf(), buf()
@@ -728,14 +751,14 @@ class FastDecoder:
         # An example span strictly inside its range, or export pins the length to it.
         span = self.span(2 * SPAN_STEP)
         if kind == "decode":
-            return (z.view(1, 1), z, self.kc, self.vc, span)
+            return (z.view(1, 1), z, *self.kv, span)
         if kind == "verify":
-            return (z.new_zeros(1, t), z, self.kc, self.vc, span)
+            return (z.new_zeros(1, t), z, *self.kv, span)
         if kind == "draft_step":
             state = torch.zeros(1, 1, self.model.config.hidden_size, device=dev,
                                 dtype=self.kc[0].dtype)
             return (z.view(1, 1), state, z, self.hk, self.hv, span)
-        return (z.new_zeros(1, t), z, self.kc, self.vc, self.hk, self.hv, span)
+        return (z.new_zeros(1, t), z, *self.kv, self.hk, self.hv, span)
 
     def _dynamic_shapes(self, example: tuple) -> dict:
         # Everything static but the span's length, a multiple of SPAN_STEP.
@@ -955,7 +978,7 @@ class FastDecoder:
                 # Decode and round read the same span at a position (k <= 31), so a row's
                 # attention call is the same whichever step computes it.
                 nxt = self.program("decode")(pending.view(1, 1), torch.tensor([at], device=dev),
-                                             self.kc, self.vc, self.span(at + SPAN_STEP))
+                                             *self.kv, self.span(at + SPAN_STEP))
                 m.record(0, 0)
                 emitted = [int(nxt)]
                 at += 1
@@ -968,7 +991,7 @@ class FastDecoder:
             t = kk + 1
             tokens = torch.cat([pending.view(1), drafts[:kk]])[None]
             out, probs = self.program("round", t, k)(
-                tokens, torch.tensor([at], device=dev), self.kc, self.vc, self.hk, self.hv,
+                tokens, torch.tensor([at], device=dev), *self.kv, self.hk, self.hv,
                 self.span(at + max(SPAN_STEP, 2 * k + 2)))
             vals = out.tolist()  # the one host read per round
             n = vals[t]

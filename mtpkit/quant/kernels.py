@@ -110,6 +110,7 @@ def _build() -> None:
     torch.library.register_fake("mtpkit::w8a8_attn_post")(_fake_attn_post)
     torch.library.register_fake("mtpkit::w8a8_layer")(_fake_layer)
     torch.library.register_fake("mtpkit::w8a8_trunk")(_fake_layer)
+    torch.library.register_fake("mtpkit::w8a8_trunk_kv")(_fake_layer)
     torch.library.register_fake("mtpkit::attend_rows")(_fake_attend)
     torch.library.register_fake("mtpkit::argmax_rows")(_fake_argmax)
 
@@ -176,7 +177,8 @@ def _fake_argmax(x):
 # mtpkit's ops, each with a C entry point (csrc/aoti_shim.h) taking its schema's arguments
 # in order, then the output.
 _OPS = ("int8_mm", "int8_a8_mm", "f32_mm", "int4_a8_mm", "w8a8_pre", "w8a8_post",
-        "w8a8_attn_post", "w8a8_layer", "w8a8_trunk", "attend_rows", "argmax_rows")
+        "w8a8_attn_post", "w8a8_layer", "w8a8_trunk", "w8a8_trunk_kv", "attend_rows",
+        "argmax_rows")
 # A Tensor[] argument comes as an array of handles and its length (AOTInductor's convention).
 _C_TYPES = {"Tensor": "AtenTensorHandle {}", "int": "int64_t {}", "SymInt": "int64_t {}",
             "float": "double {}", "List[Tensor]": "const AtenTensorHandle* {0}, int64_t {0}_len_"}

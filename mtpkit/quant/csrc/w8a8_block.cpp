@@ -446,8 +446,33 @@ static at::Tensor w8a8_attn_post(const at::Tensor& q, const at::Tensor& k, const
 }
 
 // The floats of a layer's q/k/v rows and rotated queries (w8a8_layer's qbuf).
-static int64_t qbuf_size(int64_t T, const at::Tensor& qw, const at::Tensor& kbuf, int64_t heads) {
-  return qw.dim() == 2 && kbuf.dim() == 4 ? T * qw.size(0) + T * heads * kbuf.size(3) : 0;
+static int64_t qbuf_size(int64_t T, const at::Tensor& qw, int64_t D, int64_t heads) {
+  return qw.dim() == 2 ? T * qw.size(0) + T * heads * D : 0;
+}
+
+// A layer's K and V caches [1, Hkv, L, D] as pointers and strides (rows contiguous).
+struct Caches {
+  float *k, *v;
+  int64_t Hkv, L, D;
+  int64_t k1, k2, v1, v2;  // head and slot strides
+};
+
+// One layer's caches from their tensors [1, Hkv, L, D].
+static Caches caches_of(const char* op, const at::Tensor& kbuf, const at::Tensor& vbuf) {
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.size(0) == 1 && kbuf.sizes() == vbuf.sizes() &&
+                  kbuf.scalar_type() == at::kFloat && vbuf.scalar_type() == at::kFloat &&
+                  kbuf.stride(3) == 1 && vbuf.stride(3) == 1,
+              op, ": caches must be float32 [1, Hkv, L, hd] with contiguous rows");
+  return {kbuf.data_ptr<float>(), vbuf.data_ptr<float>(), kbuf.size(1), kbuf.size(2),
+          kbuf.size(3), kbuf.stride(1), kbuf.stride(2), vbuf.stride(1), vbuf.stride(2)};
+}
+
+// Layer l's caches out of stacked ones [layers, 1, Hkv, L, D] (checked by the caller): no
+// tensor made for a layer's view (~0.35 us each).
+static Caches caches_at(const at::Tensor& kc, const at::Tensor& vc, int64_t l) {
+  return {kc.data_ptr<float>() + l * kc.stride(0), vc.data_ptr<float>() + l * vc.stride(0),
+          kc.size(2), kc.size(3), kc.size(4), kc.stride(2), kc.stride(3), vc.stride(2),
+          vc.stride(3)};
 }
 
 // w8a8_layer's checks of a layer's operands up to its attention: x [T, Dm] (contiguous, the
@@ -456,18 +481,14 @@ static int64_t qbuf_size(int64_t T, const at::Tensor& qw, const at::Tensor& kbuf
 static void layer_plan(const char* op, int64_t T, int64_t Dm, const float* xp,
                        const at::Tensor& ln1, double eps1,
                        const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qc,
-                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kbuf,
-                       const at::Tensor& vbuf, const at::Tensor& pos, int64_t span, int64_t rows,
+                       const at::Tensor& cos, const at::Tensor& sin, const Caches& c,
+                       const at::Tensor& pos, int64_t span, int64_t rows,
                        int64_t heads, float* qbuf, Pre& pre,
                        std::optional<mtpkit_attn::Attend>& att) {
   TORCH_CHECK(ln1.dim() == 1 && ln1.size(0) == Dm && ln1.scalar_type() == at::kFloat &&
                   ln1.is_contiguous(),
               op, ": ln1 must be float32 [", Dm, "] and contiguous");
-  TORCH_CHECK(kbuf.dim() == 4 && kbuf.size(0) == 1 && kbuf.sizes() == vbuf.sizes() &&
-                  kbuf.scalar_type() == at::kFloat && vbuf.scalar_type() == at::kFloat &&
-                  kbuf.stride(3) == 1 && vbuf.stride(3) == 1,
-              op, ": caches must be float32 [1, Hkv, L, hd] with contiguous rows");
-  const int64_t Hkv = kbuf.size(1), L = kbuf.size(2), D = kbuf.size(3), H = heads;
+  const int64_t Hkv = c.Hkv, L = c.L, D = c.D, H = heads;
   TORCH_CHECK(Hkv > 0 && H > 0 && H % Hkv == 0 && span >= 1 && span <= L,
               op, ": heads a multiple of the KV heads, 1 <= span <= cache length");
   const Packed w = packed(qw, qs, qc, Dm, "q/k/v");
@@ -482,13 +503,11 @@ static void layer_plan(const char* op, int64_t T, int64_t Dm, const float* xp,
   for (int64_t j = 0; j < T; j++)
     TORCH_CHECK(pp[j] >= 0 && pp[j] < L, op, ": a position past the cache");
   float* qrot = qbuf + T * w.N16;
-  att.emplace(qrot, H * D, D, kbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
-              vbuf.data_ptr<float>(), vbuf.stride(1), vbuf.stride(2), T, H, Hkv, span, D, pp,
-              rows, op);
+  att.emplace(qrot, H * D, D, c.k, c.k1, c.k2, c.v, c.v1, c.v2, T, H, Hkv, span, D, pp, rows,
+              op);
   pre = Pre{xp, ln1.data_ptr<float>(), float(eps1), w, Dm,
             cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1),
-            kbuf.data_ptr<float>(), vbuf.data_ptr<float>(), kbuf.stride(1), kbuf.stride(2),
-            vbuf.stride(1), vbuf.stride(2), pp, H, Hkv, D, qbuf, qrot};
+            c.k, c.v, c.k1, c.k2, c.v1, c.v2, pp, H, Hkv, D, qbuf, qrot};
 }
 
 static at::Tensor w8a8_layer(const at::Tensor& x_, const at::Tensor& ln1_, double eps1,
@@ -506,31 +525,33 @@ static at::Tensor w8a8_layer(const at::Tensor& x_, const at::Tensor& ln1_, doubl
   const at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), pos = pos_.contiguous();
   // The q/k/v rows and the rotated queries, for this call (the attention plan reads qrot).
   thread_local std::vector<float> qbuf;
-  const int64_t nq = qbuf_size(x.size(0), qw, kbuf, heads);
+  const Caches c = caches_of("w8a8_layer", kbuf, vbuf);
+  const int64_t nq = qbuf_size(x.size(0), qw, c.D, heads);
   if ((int64_t)qbuf.size() < nq) qbuf.resize(nq);
   Pre pre;
   std::optional<mtpkit_attn::Attend> att;
-  layer_plan("w8a8_layer", x.size(0), x.size(1), x.data_ptr<float>(), ln1, eps1, qw, qs, qc, cos, sin, kbuf, vbuf, pos, span, rows, heads,
-             qbuf.data(), pre, att);
+  layer_plan("w8a8_layer", x.size(0), x.size(1), x.data_ptr<float>(), ln1, eps1, qw, qs, qc, cos,
+             sin, c, pos, span, rows, heads, qbuf.data(), pre, att);
   return post_impl("w8a8_layer", nullptr, &*att, &pre, x, ow, os, oc, ln2, eps2, guw, gus, guc,
                    dw, ds, dc, inter);
 }
 
 // A run of whole layers (w8a8_layer's, each layer's output the next one's input) in one
-// region, a barrier between layers: no fork, join or call setup between them.
-template <class List>
+// region, a barrier between layers: no fork, join or call setup between them. caches(l):
+// layer l's caches, checked.
+template <class List, class CachesOf>
 static at::Tensor trunk_impl(const at::Tensor& x_, const List& ln1, double eps1, const List& qw,
                              const List& qs, const List& qc, const at::Tensor& cos_,
-                             const at::Tensor& sin_, const List& kbufs, const List& vbufs,
+                             const at::Tensor& sin_, const CachesOf& caches,
                              const at::Tensor& pos_, int64_t span, int64_t rows, int64_t heads,
                              const List& ow, const List& os, const List& oc, const List& ln2,
                              double eps2, const List& guw, const List& gus, const List& guc,
                              const List& dw, const List& ds, const List& dc, int64_t inter) {
   const char* op = "w8a8_trunk";
   const size_t n = ln1.size();
-  for (size_t len : {qw.size(), qs.size(), qc.size(), kbufs.size(), vbufs.size(), ow.size(),
-                     os.size(), oc.size(), ln2.size(), guw.size(), gus.size(), guc.size(),
-                     dw.size(), ds.size(), dc.size()})
+  for (size_t len : {qw.size(), qs.size(), qc.size(), ow.size(), os.size(), oc.size(),
+                     ln2.size(), guw.size(), gus.size(), guc.size(), dw.size(), ds.size(),
+                     dc.size()})
     TORCH_CHECK(len == n && n > 0, op, ": every list needs one entry a layer");
   TORCH_CHECK(x_.dim() == 2, op, ": x must be [T, D]");
   const int64_t T = x_.size(0), Dm = x_.size(1);
@@ -541,8 +562,12 @@ static at::Tensor trunk_impl(const at::Tensor& x_, const List& ln1, double eps1,
   // (the last layer ``out``): the team finishes a layer before the next reads it.
   at::Tensor out = at::detail::empty_cpu({T, Dm}, at::kFloat, /*pin_memory=*/false);
   thread_local std::vector<float> qbuf, shared, pingpong;
+  std::vector<Caches> cs(n);
   int64_t nq = 0;
-  for (size_t l = 0; l < n; l++) nq = std::max(nq, qbuf_size(T, qw[l], kbufs[l], heads));
+  for (size_t l = 0; l < n; l++) {
+    cs[l] = caches(l);
+    nq = std::max(nq, qbuf_size(T, qw[l], cs[l].D, heads));
+  }
   if ((int64_t)qbuf.size() < nq) qbuf.resize(nq);
   if ((int64_t)pingpong.size() < 2 * T * Dm) pingpong.resize(2 * T * Dm);
   std::vector<Pre> pres(n);
@@ -553,8 +578,8 @@ static at::Tensor trunk_impl(const at::Tensor& x_, const List& ln1, double eps1,
   for (size_t l = 0; l < n; l++) {
     // Raw pointers, no tensors: a tensor made for each layer's input cost ~0.35 us a layer.
     const float* in = l == 0 ? x.data_ptr<float>() : pingpong.data() + ((l + 1) % 2) * T * Dm;
-    layer_plan(op, T, Dm, in, ln1[l], eps1, qw[l], qs[l], qc[l], cos, sin, kbufs[l], vbufs[l], pos,
-               span, rows, heads, qbuf.data(), pres[l], atts[l]);
+    layer_plan(op, T, Dm, in, ln1[l], eps1, qw[l], qs[l], qc[l], cos, sin, cs[l], pos, span, rows,
+               heads, qbuf.data(), pres[l], atts[l]);
     TORCH_CHECK(ln2[l].dim() == 1 && ln2[l].size(0) == Dm && ln2[l].is_contiguous() &&
                     ln2[l].scalar_type() == at::kFloat,
                 op, ": ln2 must be float32 [", Dm, "] and contiguous");
@@ -593,8 +618,38 @@ static at::Tensor w8a8_trunk(const at::Tensor& x, at::TensorList ln1, double eps
                              at::TensorList guw, at::TensorList gus, at::TensorList guc,
                              at::TensorList dw, at::TensorList ds, at::TensorList dc,
                              int64_t inter) {
-  return trunk_impl(x, ln1, eps1, qw, qs, qc, cos, sin, kbufs, vbufs, pos, span, rows, heads, ow,
-                    os, oc, ln2, eps2, guw, gus, guc, dw, ds, dc, inter);
+  TORCH_CHECK(kbufs.size() == ln1.size() && vbufs.size() == ln1.size(),
+              "w8a8_trunk: every list needs one entry a layer");
+  const auto caches = [&](size_t l) { return caches_of("w8a8_trunk", kbufs[l], vbufs[l]); };
+  return trunk_impl(x, ln1, eps1, qw, qs, qc, cos, sin, caches, pos, span, rows, heads, ow, os, oc,
+                    ln2, eps2, guw, gus, guc, dw, ds, dc, inter);
+}
+
+// The stacked caches [layers, 1, Hkv, L, D] of w8a8_trunk_kv -> layer l's, checked once.
+static void check_stacked(const at::Tensor& kc, const at::Tensor& vc, size_t n) {
+  TORCH_CHECK(kc.dim() == 5 && kc.size(0) == int64_t(n) && kc.size(1) == 1 &&
+                  kc.sizes() == vc.sizes() && kc.scalar_type() == at::kFloat &&
+                  vc.scalar_type() == at::kFloat && kc.stride(4) == 1 && vc.stride(4) == 1,
+              "w8a8_trunk_kv: caches must be float32 [layers, 1, Hkv, L, hd] with contiguous "
+              "rows, one layer a list entry");
+}
+
+// w8a8_trunk with each cache list as one stacked tensor: a compiled step's 60 cache inputs
+// (SmolLM2) become 2. An AOTInductor call with 60 such inputs took ~40 us, with 2 ~18, its
+// metadata evicted as a step's weight stream evicts it (Zen 5, session 29).
+static at::Tensor w8a8_trunk_kv(const at::Tensor& x, at::TensorList ln1, double eps1,
+                                at::TensorList qw, at::TensorList qs, at::TensorList qc,
+                                const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc,
+                                at::Tensor& vc, const at::Tensor& pos, int64_t span, int64_t rows,
+                                int64_t heads, at::TensorList ow, at::TensorList os,
+                                at::TensorList oc, at::TensorList ln2, double eps2,
+                                at::TensorList guw, at::TensorList gus, at::TensorList guc,
+                                at::TensorList dw, at::TensorList ds, at::TensorList dc,
+                                int64_t inter) {
+  check_stacked(kc, vc, ln1.size());
+  const auto caches = [&](size_t l) { return caches_at(kc, vc, int64_t(l)); };
+  return trunk_impl(x, ln1, eps1, qw, qs, qc, cos, sin, caches, pos, span, rows, heads, ow, os, oc,
+                    ln2, eps2, guw, gus, guc, dw, ds, dc, inter);
 }
 
 #else
@@ -624,14 +679,24 @@ static at::Tensor w8a8_layer(const at::Tensor&, const at::Tensor&, double, const
                              const at::Tensor&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "w8a8_layer was built without AVX2/FMA");
 }
-template <class List>
+template <class List, class CachesOf>
 static at::Tensor trunk_impl(const at::Tensor&, const List&, double, const List&, const List&,
-                             const List&, const at::Tensor&, const at::Tensor&, const List&,
-                             const List&, const at::Tensor&, int64_t, int64_t, int64_t,
+                             const List&, const at::Tensor&, const at::Tensor&, const CachesOf&,
+                             const at::Tensor&, int64_t, int64_t, int64_t,
                              const List&, const List&, const List&, const List&, double,
                              const List&, const List&, const List&, const List&, const List&,
                              const List&, int64_t) {
   TORCH_CHECK(false, "w8a8_trunk was built without AVX2/FMA");
+}
+static void check_stacked(const at::Tensor&, const at::Tensor&, size_t) {}
+static at::Tensor w8a8_trunk_kv(const at::Tensor&, at::TensorList, double, at::TensorList,
+                                at::TensorList, at::TensorList, const at::Tensor&,
+                                const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                int64_t, int64_t, int64_t, at::TensorList, at::TensorList,
+                                at::TensorList, at::TensorList, double, at::TensorList,
+                                at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                                at::TensorList, int64_t) {
+  TORCH_CHECK(false, "w8a8_trunk_kv was built without AVX2/FMA");
 }
 static at::Tensor w8a8_trunk(const at::Tensor&, at::TensorList, double, at::TensorList,
                              at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&,
@@ -664,6 +729,12 @@ TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
         "Tensor[] o_colsum, Tensor[] ln2, float eps2, Tensor[] gu_w, Tensor[] gu_s, "
         "Tensor[] gu_colsum, Tensor[] down_w, Tensor[] down_s, Tensor[] down_colsum, "
         "int inter) -> Tensor");
+  m.def("w8a8_trunk_kv(Tensor x, Tensor[] ln1, float eps1, Tensor[] qkv_w, Tensor[] qkv_s, "
+        "Tensor[] qkv_colsum, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, "
+        "Tensor pos, SymInt span, int rows, int heads, Tensor[] o_w, Tensor[] o_s, "
+        "Tensor[] o_colsum, Tensor[] ln2, float eps2, Tensor[] gu_w, Tensor[] gu_s, "
+        "Tensor[] gu_colsum, Tensor[] down_w, Tensor[] down_s, Tensor[] down_colsum, "
+        "int inter) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(mtpkit, CPU, m) {
   m.impl("w8a8_pre", &w8a8_pre);
@@ -671,6 +742,7 @@ TORCH_LIBRARY_IMPL(mtpkit, CPU, m) {
   m.impl("w8a8_attn_post", &w8a8_attn_post);
   m.impl("w8a8_layer", &w8a8_layer);
   m.impl("w8a8_trunk", &w8a8_trunk);
+  m.impl("w8a8_trunk_kv", &w8a8_trunk_kv);
 }
 
 MTPKIT_AOTI_SHIM(w8a8_pre,
@@ -751,10 +823,44 @@ extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_
     all.assign({x, cos, sin, pos});
     for (const Handles& l : lists) all.insert(all.end(), l.h, l.h + l.n);
     mtpkit_shim::warm(all.data(), int64_t(all.size()));
+    TORCH_CHECK(kbufs_len_ == ln1_len_ && vbufs_len_ == ln1_len_,
+                "w8a8_trunk: every list needs one entry a layer");
+    const auto caches = [&](size_t l) {
+      return caches_of("w8a8_trunk", lists[4][l], lists[5][l]);
+    };
     *ret0 = torch::aot_inductor::new_tensor_handle(trunk_impl(
-        arg(x), lists[0], eps1, lists[1], lists[2], lists[3], arg(cos), arg(sin), lists[4],
-        lists[5], arg(pos), span, rows, heads, lists[6], lists[7], lists[8], lists[9], eps2,
-        lists[10], lists[11], lists[12], lists[13], lists[14], lists[15], inter));
+        arg(x), lists[0], eps1, lists[1], lists[2], lists[3], arg(cos), arg(sin), caches,
+        arg(pos), span, rows, heads, lists[6], lists[7], lists[8], lists[9], eps2, lists[10],
+        lists[11], lists[12], lists[13], lists[14], lists[15], inter));
+  });
+}
+extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_w8a8_trunk_kv(
+    AtenTensorHandle x, MTPKIT_LIST(ln1), double eps1, MTPKIT_LIST(qkv_w), MTPKIT_LIST(qkv_s),
+    MTPKIT_LIST(qkv_colsum), AtenTensorHandle cos, AtenTensorHandle sin, AtenTensorHandle kc,
+    AtenTensorHandle vc, AtenTensorHandle pos, int64_t span, int64_t rows, int64_t heads,
+    MTPKIT_LIST(o_w), MTPKIT_LIST(o_s), MTPKIT_LIST(o_colsum), MTPKIT_LIST(ln2), double eps2,
+    MTPKIT_LIST(gu_w), MTPKIT_LIST(gu_s), MTPKIT_LIST(gu_colsum), MTPKIT_LIST(down_w),
+    MTPKIT_LIST(down_s), MTPKIT_LIST(down_colsum), int64_t inter, AtenTensorHandle* ret0) {
+  using mtpkit_shim::arg;
+  using mtpkit_shim::mut;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    const Handles lists[] = {{ln1, ln1_len_}, {qkv_w, qkv_w_len_}, {qkv_s, qkv_s_len_},
+                             {qkv_colsum, qkv_colsum_len_}, {o_w, o_w_len_}, {o_s, o_s_len_},
+                             {o_colsum, o_colsum_len_}, {ln2, ln2_len_}, {gu_w, gu_w_len_},
+                             {gu_s, gu_s_len_}, {gu_colsum, gu_colsum_len_},
+                             {down_w, down_w_len_}, {down_s, down_s_len_},
+                             {down_colsum, down_colsum_len_}};
+    thread_local std::vector<AtenTensorHandle> all;
+    all.assign({x, cos, sin, pos, kc, vc});
+    for (const Handles& l : lists) all.insert(all.end(), l.h, l.h + l.n);
+    mtpkit_shim::warm(all.data(), int64_t(all.size()));
+    at::Tensor &k = mut(kc), &v = mut(vc);
+    check_stacked(k, v, size_t(ln1_len_));
+    const auto caches = [&](size_t l) { return caches_at(k, v, int64_t(l)); };
+    *ret0 = torch::aot_inductor::new_tensor_handle(trunk_impl(
+        arg(x), lists[0], eps1, lists[1], lists[2], lists[3], arg(cos), arg(sin), caches,
+        arg(pos), span, rows, heads, lists[4], lists[5], lists[6], lists[7], eps2, lists[8],
+        lists[9], lists[10], lists[11], lists[12], lists[13], inter));
   });
 }
 #undef MTPKIT_LIST
