@@ -308,6 +308,23 @@ def test_w8a8_layer_ops_change_no_bit(quantized_engines, monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
 
 
+def test_w8a8_trunks_take_stacked_caches_only_as_one_op(quantized_engines, monkeypatch):
+    """A W8A8 trunk whose compiled steps run as one w8a8_trunk op keeps its caches stacked
+    (FastDecoder.kv, kc/vc its views); with the one-layer-op form switched off (to compare)
+    its caches stay a tensor a layer, and a compiled step never gets stacked ones it would
+    have to copy."""
+    model = quantized_engines["w8a8-lm"].model
+    dec = FastDecoder(model, backend="eager", max_len=128)
+    kstack, vstack = dec.kv
+    assert kstack.dim() == 5 and kstack.shape[0] == len(dec.kc)
+    assert all(k.data_ptr() == kstack[i].data_ptr() for i, k in enumerate(dec.kc))
+    monkeypatch.setenv("MTPKIT_W8A8_LAYER", "0")
+    other = FastDecoder(model, backend="eager", max_len=128)
+    assert not other.programs.stacked_caches
+    assert other.kv[0] is other.kc and other.kv[1] is other.vc
+    assert len({k.data_ptr() for k in other.kc}) == len(other.kc)
+
+
 def test_w8a8_block_ops_match_per_gemm_layers(quantized_engines):
     """W8A8 layers run as mtpkit's two fused ops (norm + q/k/v; o_proj to the MLP's
     residual): the trunk's states and cache entries agree with the op-per-GEMM form to

@@ -391,6 +391,14 @@ class Programs(nn.Module):
                    b.mlp.down_proj.in_features) for b in layers}
         self.w8a8_trunk = (w8a8_trunk_on() and len(layers) > 0 and all(self.w8a8_blocks)
                            and len(shapes) == 1)
+        # Whether every compiled trunk step runs as that one op (_w8a8_whole's conditions
+        # that do not depend on a call), so that the steps can take the caches stacked
+        # (FastDecoder.kv).
+        emb = model.model.embed_tokens.weight
+        self.stacked_caches = (self.w8a8_trunk and self.rowwise and w8a8_attn_on()
+                               and w8a8_layer_on() and emb.device.type == "cpu"
+                               and emb.dtype == torch.float32
+                               and all(b.self_attn.q_norm is None for b in layers))
         self.register_buffer("vocab", None)
         if model.mtp is not None and draft_vocab is not None and len(draft_vocab):
             dev = model.model.embed_tokens.weight.device
@@ -710,8 +718,9 @@ class FastDecoder:
         # ~40 us -> ~18 with its metadata evicted, Zen 5, session 29); kc and vc are then
         # views of those (for eager calls: a compiled step given 60 views of one buffer ran
         # ~100x slow). ``kv``: the caches as the compiled steps take them.
+        # (Programs.stacked_caches: whether every compiled trunk step is that one op.)
         layers = len(model.model.layers)
-        if self.programs.w8a8_trunk:
+        if self.programs.stacked_caches and dtype == torch.float32:
             with torch.inference_mode(False):
                 kstack, vstack = (torch.zeros((layers, *shape), dtype=dtype, device=self.device)
                                   for _ in range(2))
