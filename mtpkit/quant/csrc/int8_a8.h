@@ -5,6 +5,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "simd.h"
@@ -13,6 +14,12 @@ namespace mtpkit_a8 {
 
 using mtpkit_simd::bcast4;
 using mtpkit_simd::prefetch;
+
+// The least column blocks a thread claims at once (team.h) in a GEMM of K4-byte rows: ~16 KB
+// of codes, a block holding 16 * K4 bytes.
+inline int64_t a8_piece(int64_t K4) {
+  return std::max<int64_t>(1, (16384 + 8 * K4) / (16 * K4));
+}
 
 // R quantized rows (K4 bytes each; q + 128 under VNNI) against column blocks [b0, b1) of 16.
 // U accumulators a row, taking runs in turn: one vpdpbusd chain would wait on its latency

@@ -89,12 +89,11 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
   // for SmolLM2, a fifth of a step) in static halves left one thread waiting for the other
   // where their streams ran unevenly, as the fused layers' GEMMs did on Zen 3 (session 28).
   const int nt = team_size();
-  const int64_t piece = std::max<int64_t>(1, (16384 + 8 * K4) / (16 * K4));
   Team crew(nt);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
-    share_blocks(N16 / 16, piece, me, run);
+    share_blocks(N16 / 16, mtpkit_a8::a8_piece(K4), me, run);
   }
 #else
   TORCH_CHECK(false, "int8_a8_mm was built without AVX2/FMA");

@@ -106,7 +106,7 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
       const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
       _mm_storel_epi64((__m128i*)(qm + k), _mm_xor_si128(_mm_packs_epi16(w, w), vflip));
     }
-    for (int64_t k = std::max(Kv, k0); k < K; k++) {
+    for (int64_t k = Kv; k < K; k++) {  // k0 <= Kv: a multiple of 16 at most K
       const float v = std::nearbyint(xm[k] / sc);
       qm[k] = int8_t(uint8_t(int8_t(std::min(127.f, std::max(-127.f, v)))) ^ flip);
     }

@@ -101,8 +101,7 @@ Packed packed(const at::Tensor& w, const at::Tensor& s, const at::Tensor& colsum
 template <class Done>
 void gemm_share(const int8_t* q, const float* xs, int64_t T, const Packed& w, float* y,
                 Member& me, const Done& done) {
-  const int64_t piece = std::max<int64_t>(1, (16384 + 8 * w.K4) / (16 * w.K4));
-  share_blocks(w.N16 / 16, piece, me, [&](int64_t c0, int64_t c1) {
+  share_blocks(w.N16 / 16, mtpkit_a8::a8_piece(w.K4), me, [&](int64_t c0, int64_t c1) {
     over_rows(T, [&](auto R, int64_t m) {
       a8_rows<R.value>(q + m * w.K4, xs + m, w.K4, w.w, w.s, w.colsum, y + m * w.N16, w.N16, c0,
                        c1);
@@ -799,6 +798,16 @@ struct Handles {
   size_t size() const { return size_t(n); }
   const at::Tensor& operator[](size_t i) const { return mtpkit_shim::arg(h[i]); }
 };
+
+// Every argument's metadata in one pass, all misses of a level together (~480 tensors for
+// SmolLM2): the single tensors and each list's.
+template <size_t N>
+void warm_all(std::initializer_list<AtenTensorHandle> singles, const Handles (&lists)[N]) {
+  thread_local std::vector<AtenTensorHandle> all;
+  all.assign(singles);
+  for (const Handles& l : lists) all.insert(all.end(), l.h, l.h + l.n);
+  mtpkit_shim::warm(all.data(), int64_t(all.size()));
+}
 }  // namespace
 
 #define MTPKIT_LIST(name) const AtenTensorHandle *name, int64_t name##_len_
@@ -818,11 +827,7 @@ extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_
                              {gu_s, gu_s_len_}, {gu_colsum, gu_colsum_len_},
                              {down_w, down_w_len_}, {down_s, down_s_len_},
                              {down_colsum, down_colsum_len_}};
-    // Every argument's metadata in one pass, all misses of a level together (~480 tensors).
-    thread_local std::vector<AtenTensorHandle> all;
-    all.assign({x, cos, sin, pos});
-    for (const Handles& l : lists) all.insert(all.end(), l.h, l.h + l.n);
-    mtpkit_shim::warm(all.data(), int64_t(all.size()));
+    warm_all({x, cos, sin, pos}, lists);
     TORCH_CHECK(kbufs_len_ == ln1_len_ && vbufs_len_ == ln1_len_,
                 "w8a8_trunk: every list needs one entry a layer");
     const auto caches = [&](size_t l) {
@@ -850,10 +855,7 @@ extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_
                              {gu_s, gu_s_len_}, {gu_colsum, gu_colsum_len_},
                              {down_w, down_w_len_}, {down_s, down_s_len_},
                              {down_colsum, down_colsum_len_}};
-    thread_local std::vector<AtenTensorHandle> all;
-    all.assign({x, cos, sin, pos, kc, vc});
-    for (const Handles& l : lists) all.insert(all.end(), l.h, l.h + l.n);
-    mtpkit_shim::warm(all.data(), int64_t(all.size()));
+    warm_all({x, cos, sin, pos, kc, vc}, lists);
     at::Tensor &k = mut(kc), &v = mut(vc);
     check_stacked(k, v, size_t(ln1_len_));
     const auto caches = [&](size_t l) { return caches_at(k, v, int64_t(l)); };
