@@ -423,3 +423,20 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_distinct_ggufs_runs_each_file_once(tmp_path):
+    """The packaged Q4_1 given again with --gguf (or one file twice, or by another path)
+    is timed once, under its first name, with a note."""
+    from mtpkit.bench.compare import distinct_ggufs
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"x")
+    b.write_bytes(b"y")
+    (tmp_path / "sub").mkdir()
+    pairs = [("llama.cpp Q4_1 (packaged)", a), ("llama.cpp b", b),
+             ("llama.cpp a", tmp_path / "sub" / ".." / "a.gguf"), ("llama.cpp b", b)]
+    kept, notes = distinct_ggufs(pairs)
+    assert kept == [("llama.cpp Q4_1 (packaged)", a), ("llama.cpp b", b)]
+    assert len(notes) == 2 and "'llama.cpp Q4_1 (packaged)'" in notes[0]
+    assert distinct_ggufs(pairs[:2]) == (pairs[:2], [])

@@ -560,6 +560,7 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
     from .common import measure_bandwidth, weight_bytes
     from .compare import (
         agreement,
+        distinct_ggufs,
         gguf_weight_bytes,
         interleave,
         llama_cpp_available,
@@ -629,7 +630,8 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
                 notes.append(f"no Q8_0 GGUF for llama.cpp: {e}")
             if builtin:
                 ggufs.append(("llama.cpp Q4_1 (packaged)", smollm2_gguf()))
-            ggufs += extra
+            ggufs, repeats = distinct_ggufs(ggufs + extra)
+            notes += repeats
             threads = torch.get_num_threads()
             for name, path in ggufs:
                 r = llama_cpp_runner(name, path, ids, max_tokens, eos, threads)

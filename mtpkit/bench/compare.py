@@ -279,6 +279,24 @@ def write_q8_0(folder: Path, tokenizer, dest: Path) -> Path:
     return dest
 
 
+def distinct_ggufs(ggufs: list[tuple[str, Path]]) -> tuple[list[tuple[str, Path]], list[str]]:
+    """The (name, path) pairs with each file once, the first name kept; a note per repeat.
+
+    ``--gguf`` naming the packaged Q4_1 (which the built-in model's run adds by itself), or
+    one file twice, would otherwise time the same engine twice in one table."""
+    kept: list[tuple[str, Path]] = []
+    seen: dict[Path, str] = {}
+    notes = []
+    for name, path in ggufs:
+        key = Path(path).resolve()
+        if key in seen:
+            notes.append(f"{path} runs once, as {seen[key]!r}: it was given more than once")
+            continue
+        seen[key] = name
+        kept.append((name, path))
+    return kept, notes
+
+
 def llama_cpp_runner(name: str, path: Path, prompts: list[list[int]], max_tokens: int, eos_ids,
                      threads: int) -> Runner:
     """llama-cpp-python on a GGUF, greedy (top-k 1, temperature 0, no repeat penalty)."""
