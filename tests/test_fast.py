@@ -256,6 +256,55 @@ def test_quantized_verify_rows_equal_one_token_steps(scheme, quantized_engines):
             assert torch.equal(one[0, 0], rows[0, j]), f"row {j}"
 
 
+def test_sessions_route_fp32_steps_through_the_row_exact_kernel(model_dir):
+    """Session.load runs an fp32 CPU model's Linears (trunk, lm_head, head, draft rows)
+    through f32_mm, sharing their weights under the same names: the eager engine's steps get
+    the kernel's speed and row-exact bits, its greedy text stays what torch's GEMMs gave
+    (within fp32 rounding), and the compiled path still sees a float row-exact trunk. bf16
+    models are left alone."""
+    import warnings
+
+    from torch import nn
+
+    from mtpkit.engine.loader import load_model
+    from mtpkit.engine.session import Session
+    from mtpkit.quant.kernels import int8_mm_available
+    from mtpkit.quant.linear import RowExactLinear, linear_rows, route_rows_through_kernel
+
+    if not int8_mm_available():
+        pytest.skip("mtpkit's CPU kernels do not build here")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = load_model(model_dir, tokenizer=False).model
+        other = load_model(model_dir, tokenizer=False).model
+        session = Session.load(model_dir)
+        half = load_model(model_dir, tokenizer=False, dtype="bfloat16").model
+    n = sum(type(m) is nn.Linear for m in plain.modules())
+    before = {k: v.data_ptr() for k, v in other.state_dict().items()}
+    assert n > 0 and route_rows_through_kernel(other) == n
+    assert {k: v.data_ptr() for k, v in other.state_dict().items()} == before  # no copy
+    model = session.engine.model
+    assert sum(isinstance(m, RowExactLinear) for m in model.modules()) == n
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    rows = torch.tensor([5, 1, 9])
+    sub = linear_rows(model.lm_head, rows)  # a draft vocabulary's lm_head rows
+    assert isinstance(sub, RowExactLinear)
+    x = torch.randn(2, model.lm_head.in_features)
+    with torch.inference_mode():
+        assert torch.equal(sub(x), model.lm_head(x)[:, rows])
+    assert route_rows_through_kernel(half) == 0
+    assert not any(isinstance(m, RowExactLinear) for m in half.modules())
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.inference_mode():
+        got, want = (m.logits(m(ids).hidden) for m in (model, plain))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ref, _ = _eager(Engine(plain), PROMPTS[1], 0, max_tokens=20)
+    for k in (0, 2):
+        assert _eager(session.engine, PROMPTS[1], k, max_tokens=20)[0] == ref, k
+    pr = FastDecoder(model, backend="eager", max_len=128).programs
+    assert pr.float_rows and pr.row_exact
+
+
 @pytest.mark.parametrize("scheme", ["w8a8-lm", "w8a16-lm", "w4a8-lm"])
 def test_row_exact_trunks_stack_qkv_and_gate_up_exactly(scheme, quantized_engines):
     """Row-exact trunks run q/k/v and gate/up as one int8 layer each; the trunk's states and

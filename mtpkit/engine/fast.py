@@ -84,7 +84,8 @@ def unsupported_reason(model) -> str | None:
 
 def _trunk_linears(model) -> list[nn.Module]:
     # Every Linear a trunk step runs: the layers' and the lm_head.
-    mods = [m for m in model.model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    mods = [m for m in model.model.modules()
+            if isinstance(m, (nn.Linear, QuantLinear, RowExactLinear))]
     return mods + [model.lm_head]
 
 

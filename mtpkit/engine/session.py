@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..quant.linear import route_rows_through_kernel
 from .generate import Engine, Result
 from .loader import load_model
 from .metrics import SpecMetrics
@@ -40,6 +41,10 @@ class Session:
 
             path, head = builtin_trunk(), head or builtin_head()
         loaded = load_model(path, device=device, dtype=dtype, head=head)
+        # Decoding steps (1 to k+1 rows) through mtpkit's fp32 kernel: faster here than
+        # torch's GEMM at those row counts, and each row the same bits whatever rows come
+        # with it. A no-op where the model is not fp32 on a CPU or the kernels cannot build.
+        route_rows_through_kernel(loaded.model)
         vocab = None if full_draft_vocab else loaded.draft_vocab
         if draft_vocab_size is not None:
             if draft_vocab_size < 1:
