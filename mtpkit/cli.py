@@ -19,8 +19,10 @@ def _generate_args(sub) -> None:
     p.add_argument("prompt", help="the prompt text (or a user message with --chat)")
     p.add_argument("--model", help="checkpoint folder or .gguf file (default: the built-in model)")
     p.add_argument("--head", help="an MTP head folder (from `mtpkit calibrate`) to use")
-    p.add_argument("--num-draft-tokens", "-k", type=int, default=3,
-                   help="draft tokens per step (default 3; 0 = no speculation)")
+    # One: every supported release has one MTP layer, and chaining it further was accepted
+    # too rarely to pay in every configuration measured (docs/benchmarks.md).
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=1,
+                   help="draft tokens per step (default 1; 0 = no speculation)")
     p.add_argument("--no-mtp", action="store_true", help="decode without speculation")
     p.add_argument("--full-draft-vocab", action="store_true",
                    help="draft over the whole vocabulary, not the head's frequent-token subset")

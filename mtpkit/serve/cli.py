@@ -16,8 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument("--head", help="an MTP head folder (from `mtpkit calibrate`) to use")
     p.add_argument("--served-model-name",
                    help="the name clients send as 'model' (default: the --model argument)")
-    p.add_argument("--num-draft-tokens", "-k", type=int, default=3,
-                   help="draft tokens per step (default 3; 0 = no speculation)")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=1,
+                   help="draft tokens per step (default 1, as generate; 0 = no speculation)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
