@@ -89,6 +89,9 @@ def _build() -> None:
     name = f"mtpkit_kernels_{source_digest()}_{isa}"
     folder = cache_dir() / "ext" / name
     folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / f"{name}.so").exists():
+        print(f"note: building mtpkit's CPU kernels into {folder} (first use of this version, "
+              "about 30 s on 2 cores)", file=sys.stderr)
     with builder_lock(folder):
         lib = load(name, [str(src) for src in _SOURCES], build_directory=str(folder),
                    is_python_module=False,
