@@ -89,7 +89,8 @@ def _build() -> None:
     name = f"mtpkit_kernels_{source_digest()}_{isa}"
     folder = cache_dir() / "ext" / name
     folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / f"{name}.so").exists():
+    # Said at a terminal only: a first command's error output must stay its one line.
+    if not (folder / f"{name}.so").exists() and sys.stderr.isatty():
         print(f"note: building mtpkit's CPU kernels into {folder} (first use of this version, "
               "about 30 s on 2 cores)", file=sys.stderr)
     with builder_lock(folder):
