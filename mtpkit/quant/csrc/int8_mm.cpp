@@ -10,7 +10,9 @@
 // activations, so it is also more exact. f32_mm: the compiled fp32 path's GEMMs. Inductor's
 // CPU GEMM templates and the library sgemm differ per row count in blocking, hence in
 // rounding, so a verified row would not be a decode step's bits; this loop is (and streams
-// weights at the machine's read bandwidth from one row up: ~71 GB/s where a sum read 72-75).
+// weights at the machine's read bandwidth from one row up: ~71 GB/s where a sum read 72-75;
+// on Zen 4, four rows stream in about a one-row pass's time since prefetches go to L2, see
+// simd.h).
 //
 // Exactness: every output is accumulated in the same order whatever the number of rows,
 // the row's position in the batch, the thread split or the columns around it (rows are
