@@ -50,12 +50,14 @@ inline __m256i bcast4(const int8_t* x) {
 // memory phase) from ~1.93 to ~1.86 ms at one row and ~2.41 to ~2.25 at four, where the
 // four-row kernel's arithmetic (~95 B/ns a core) leaves less slack to cover the latency; 32 KB
 // was no better. Addresses past the weight's end are harmless (a prefetch never faults).
-// The hint is T1 (to L2, not L1): on Zen 4 (session 31) T0 made a four-row pass cost its
-// arithmetic on top of its memory time, as if the two could not overlap (SmolLM2's fp32
-// weights, f32_mm loop in C++, in turns: one row 0.97-1.02x a torch-style sum's time, four
-// rows 1.29-1.33x with T0 and 1.01-1.05x with T1; one row unchanged). In the compiled fp32
-// steps a verification of 4 rows went from 1.33-1.40x a decode step to 1.04-1.06x; the
-// W8A8 and W4A8 steps were unchanged or a little faster (docs/benchmarks.md, session 31).
+// The hint is T1: Zen 4 is the first AMD core to fill only L2 for T1/T2 (Zen 3 and older
+// fill L1 for every hint, so there T1 is T0 under another name; Intel fills L2 for T1 too).
+// On Zen 4 (session 31), T0 made a four-row pass pay its arithmetic on top of its memory
+// time, as if the two could not overlap (SmolLM2's fp32 weights through f32_mm, in turns:
+// one row 0.99-1.14x a torch sum's time either way; four rows 1.28-1.31x with T0, 1.00-1.05x
+// with T1; W8A8's int8_a8_mm at four rows 1.19-1.22x and 1.02-1.08x). In the compiled fp32
+// steps a verification of 4 rows went from 1.33-1.40x a decode step to 1.04-1.06x; the W8A8
+// and W4A8 steps were unchanged or a little faster (docs/benchmarks.md, session 31).
 constexpr uintptr_t kAhead = 16384;
 inline void prefetch(const int8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kAhead), _MM_HINT_T1);
