@@ -369,11 +369,11 @@ class Programs(nn.Module):
         self.lm_head = None  # the trunk's lm_head in a step's own form, where it has one
         if self.float_rows:
             self.fused = nn.ModuleList(nn.ModuleDict({
-                name: RowExactLinear(getattr(part, name))
+                name: RowExactLinear.of(getattr(part, name))
                 for part, names in ((block.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                                     (block.mlp, ("gate_proj", "up_proj", "down_proj")))
                 for name in names}) for block in model.model.layers)
-            self.lm_head = RowExactLinear(model.lm_head)
+            self.lm_head = RowExactLinear.of(model.lm_head)
         elif self.row_exact:
             self.fused = nn.ModuleList(nn.ModuleDict({
                 name: layer for name, layer in (

@@ -416,6 +416,12 @@ class RowExactLinear(nn.Module):
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
+    @classmethod
+    def of(cls, linear: nn.Module) -> RowExactLinear:
+        """``linear`` through the kernel: itself where it already is (Session.load routes
+        fp32 models' layers), else a RowExactLinear over its weight."""
+        return linear if isinstance(linear, cls) else cls(linear)
+
     @staticmethod
     def fits(linear: nn.Module) -> bool:
         """Whether ``linear`` is an fp32 CPU nn.Linear the kernel can run (built here), or
