@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -41,7 +42,15 @@ def _generate_args(sub) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also decode without MTP, check the texts agree, report the speed-up")
     _compile_args(p)
+    threads_arg(p)
     p.set_defaults(func=_cmd_generate)
+
+
+def threads_arg(p) -> None:
+    """The --threads option of every command that decodes."""
+    p.add_argument("--threads", type=int, default=None,
+                   help="decode with exactly N CPU threads (default: the CPUs this process "
+                        "may use, fewer while other programs keep some of them busy)")
 
 
 def _compile_args(p) -> None:
@@ -101,18 +110,31 @@ def _cmd_generate(a) -> int:
             print(f"compiled programs: {st.loaded} loaded, {st.compiled} built; ready "
                   f"{time.perf_counter() - t0:.1f} s after start", file=sys.stderr)
     stream = not a.json
-    out = session.complete(a.prompt, params, k, chat=a.chat,
-                           on_text=(lambda s: print(s, end="", flush=True)) if stream else None)
+
+    def run(kk: int, watched: bool, warm: bool = False):
+        show = (lambda s: print(s, end="", flush=True)) if stream and watched else None
+        p = dataclasses.replace(params, max_tokens=min(8, params.max_tokens)) if warm else params
+        return session.complete(a.prompt, p, kk, chat=a.chat, on_text=show)
+
+    if a.compare and k:
+        from .bench.common import compare_in_turns
+
+        outs, bases = compare_in_turns(run, k)
+        out = outs[0]
+    else:
+        out = run(k, True)
     if stream:
         print()
     report = {"text": out.text, "finish_reason": out.finish_reason,
               "num_draft_tokens": k, "metrics": out.metrics.as_dict()}
     if a.compare and k:
-        base = session.complete(a.prompt, params, 0, chat=a.chat)
-        report["baseline_tokens_per_s"] = base.metrics.tokens_per_s
-        report["speedup"] = (out.metrics.tokens_per_s / base.metrics.tokens_per_s
-                             if base.metrics.tokens_per_s else None)
-        report["identical_to_baseline"] = base.token_ids == out.token_ids
+        mtp_rate = sum(o.metrics.tokens_per_s for o in outs) / len(outs)
+        base_rate = sum(b.metrics.tokens_per_s for b in bases) / len(bases)
+        report["tokens_per_s"] = mtp_rate
+        report["baseline_tokens_per_s"] = base_rate
+        report["speedup"] = mtp_rate / base_rate if base_rate else None
+        report["identical_to_baseline"] = all(r.token_ids == out.token_ids
+                                              for r in outs + bases)
         report["busy_cpu_warning"] = busy
     if a.json:
         print(json.dumps(report, indent=2))
@@ -124,7 +146,8 @@ def _cmd_generate(a) -> int:
               f"TTFT {m.ttft_s * 1000:.0f} ms, finish: {out.finish_reason}", file=sys.stderr)
         if "speedup" in report:
             same = "identical" if report["identical_to_baseline"] else "DIFFERENT"
-            print(f"without MTP: {report['baseline_tokens_per_s']:.1f} tok/s; speed-up "
+            print(f"in turns, both warmed up: with MTP {report['tokens_per_s']:.1f} tok/s, "
+                  f"without MTP {report['baseline_tokens_per_s']:.1f} tok/s; speed-up "
                   f"{report['speedup']:.2f}x; output {same}", file=sys.stderr)
             if busy:
                 print(f"warning: {busy}", file=sys.stderr)
@@ -363,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "threads", None) is not None:
+            from . import threads
+
+            threads.configure(args.threads)
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"

@@ -17,6 +17,7 @@ def add_parser(sub) -> None:
                        description="Measure mtpkit: pick a draft length (offline), load-test a "
                                    "server (serve), or compare with other engines (compare).")
     bsub = p.add_subparsers(dest="bench_command", required=True)
+    from ..cli import threads_arg
 
     o = bsub.add_parser("offline", help="sweep draft lengths k in one process",
                         description="Greedy decoding of a prompt set at every k: tokens/s, "
@@ -43,6 +44,7 @@ def add_parser(sub) -> None:
     from ..cli import _compile_args
 
     _compile_args(o)
+    threads_arg(o)
     o.set_defaults(func=cmd_offline)
 
     st = bsub.add_parser("steps", help="per-step costs: decode, verify k+1, draft, round",
@@ -69,6 +71,7 @@ def add_parser(sub) -> None:
 
     draft_vocab_size_arg(st)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    threads_arg(st)
     st.set_defaults(func=cmd_steps)
 
     s = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (streaming)",
@@ -114,7 +117,32 @@ def add_parser(sub) -> None:
     c.add_argument("--gguf", action="append", default=[], metavar="FILE",
                    help="also run llama.cpp on this GGUF (repeatable), e.g. the packaged "
                         "Q4_1 beside a quantized --model")
+    threads_arg(c)
     c.set_defaults(func=cmd_compare)
+
+    b = bsub.add_parser("contention", help="speed on a quiet CPU against beside a busy thread",
+                        description="Each path (every --model with every --compile) decodes "
+                                    "the prompts with and without MTP, on a quiet CPU and "
+                                    "beside one other busy thread (a process spinning "
+                                    "`while True: pass`), the phases in turns; prints and "
+                                    "writes tokens/s and the ratios: busy over quiet, MTP "
+                                    "over no MTP.")
+    b.add_argument("--model", action="append", default=None,
+                   help="checkpoint folder or .gguf, repeatable; builtin names the built-in "
+                        "model (default: builtin)")
+    b.add_argument("--compile", default="off,aoti",
+                   help="comma-separated: off (the eager engine), aoti, inductor (default "
+                        "off,aoti)")
+    b.add_argument("--k", type=int, default=1, help="draft length with MTP (default 1)")
+    b.add_argument("--prompts", default="builtin", help="builtin (default) or a prompt file")
+    b.add_argument("--num-prompts", type=int, default=4,
+                   help="the first N prompts (default 4)")
+    b.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    b.add_argument("--rounds", type=int, default=2,
+                   help="rounds of quiet and busy phases in turn (default 2)")
+    b.add_argument("--out", help="results folder (default mtpkit-bench/contention-<time>)")
+    threads_arg(b)
+    b.set_defaults(func=cmd_contention)
 
 
 SKIPPABLE = ("transformers", "transformers-bf16", "prompt-lookup", "llama.cpp")
@@ -122,10 +150,10 @@ SKIPPABLE = ("transformers", "transformers-bf16", "prompt-lookup", "llama.cpp")
 
 # -- shared ----------------------------------------------------------------------------------
 def torch_threads() -> int:
-    """Threads torch decodes with."""
-    import torch
+    """Threads mtpkit decodes with on a quiet machine (and gives the peers)."""
+    from .. import threads
 
-    return torch.get_num_threads()
+    return threads.limit()
 
 
 def _environment() -> dict:
@@ -134,7 +162,7 @@ def _environment() -> dict:
     return {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": platform.machine(), "processor": _cpu_name(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch_threads": torch_threads(), "python": platform.python_version(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
@@ -192,6 +220,66 @@ def _columns() -> int:
 
 
 # -- offline ---------------------------------------------------------------------------------
+def cmd_contention(a) -> int:
+    """Every path quiet and beside a busy thread; table, JSON and CSV; 1 if outputs differ."""
+    from ..engine.session import Session
+    from .common import write_csv, write_json
+    from .contention import measure_path
+    from .prompts import load_prompts
+
+    for v, opt in ((a.num_prompts, "--num-prompts"), (a.max_tokens, "--max-tokens"),
+                   (a.rounds, "--rounds")):
+        _positive(v, opt)
+    modes = [m.strip() for m in a.compile.split(",") if m.strip()]
+    for m in modes:
+        if m not in ("off", "aoti", "inductor"):
+            raise ValueError(f"--compile: {m!r} is not one of off, aoti, inductor")
+    prompts = load_prompts(a.prompts)[: a.num_prompts]
+    out = Path(a.out) if a.out else _default_out("contention")
+    env = _environment()
+    rows = []
+    for model in a.model or ["builtin"]:
+        for mode in modes:
+            session = Session.load(None if model == "builtin" else model, compile=mode)
+            fast = session.engine.fast
+            k = a.k if session.engine.has_mtp else 0
+            if fast is not None:
+                k = fast.served_k(k) if k else 0
+                for kk in {k, 0}:
+                    fast.warmup(kk)
+            label = f"{Path(session.name).name}, {'eager' if mode == 'off' else mode}"
+            print(f"{label}: quiet and busy phases in turns ...", file=sys.stderr)
+            ids = _encode(session, prompts)
+            row = measure_path(session.engine, ids, k, a.max_tokens, a.rounds)
+            row["path"] = label
+            rows.append(row)
+            del session, fast
+    result = {"command": "contention", "environment": env, "max_tokens": a.max_tokens,
+              "prompts": len(prompts), "rounds": a.rounds, "rows": rows}
+    fields = ["path", "k", "quiet_mtp", "quiet_plain", "busy_mtp", "busy_plain", "kept_mtp",
+              "kept_plain", "mtp_over_plain_quiet", "mtp_over_plain_busy", "identical"]
+    write_json(out / "results.json", result)
+    write_csv(out / "summary.csv", rows, fields)
+    print_contention(rows, out)
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+def print_contention(rows: list[dict], out: Path) -> None:
+    """The contention table as Markdown (pasteable into docs)."""
+    def f(x, pat="{:.1f}"):
+        return "-" if x is None else pat.format(x)
+
+    print("| path | quiet: MTP / no MTP tok/s | busy: MTP / no MTP tok/s | busy/quiet MTP, "
+          "no MTP | MTP/no MTP quiet, busy | identical |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['path']}, k={r['k']} | {f(r['quiet_mtp'])} / {f(r['quiet_plain'])} | "
+              f"{f(r['busy_mtp'])} / {f(r['busy_plain'])} | {f(r['kept_mtp'], '{:.2f}')}, "
+              f"{f(r['kept_plain'], '{:.2f}')} | {f(r['mtp_over_plain_quiet'], '{:.2f}')}, "
+              f"{f(r['mtp_over_plain_busy'], '{:.2f}')} | {'yes' if r['identical'] else 'NO'} |")
+    print(f"results: {out}")
+
+
 def cmd_offline(a) -> int:
     """Run the k-sweep, print the table, write CSV/JSON/PNG; 1 if outputs differ across k."""
     from .common import parse_int_list
@@ -575,7 +663,6 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
         if progress:
             print(msg, file=sys.stderr)
 
-    import torch
 
     builtin = model is None
     if builtin:
@@ -632,7 +719,7 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
                 ggufs.append(("llama.cpp Q4_1 (packaged)", smollm2_gguf()))
             ggufs, repeats = distinct_ggufs(ggufs + extra)
             notes += repeats
-            threads = torch.get_num_threads()
+            threads = torch_threads()
             for name, path in ggufs:
                 r = llama_cpp_runner(name, path, ids, max_tokens, eos, threads)
                 if not r.run.skipped:

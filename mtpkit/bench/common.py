@@ -25,6 +25,25 @@ def busy_cpu(load_average: list[float] | None, cpu_count: int | None) -> str | N
     return None
 
 
+def compare_in_turns(run, k: int, turns: int = 2) -> tuple[list, list]:
+    """Runs at draft length k and at 0, for a ratio a single try can trust.
+
+    ``run(k, watched, warm)`` generates once and returns its result (``watched``: the run
+    the user sees; ``warm``: a short untimed one). Both lengths warm up first, so that
+    first-run costs (lazy loads, page faults on the weights, allocator growth) land on
+    neither (a first --compare on a fresh machine said 0.54x, later ones 1.2-1.3x); then
+    ``turns`` pairs in ABBA
+    order (k, 0, 0, k, ...), so that drift in the machine's speed favours neither. Returns
+    (runs at k, runs at 0), warm-ups left out."""
+    run(k, False, True)
+    run(0, False, True)
+    at_k, at_0 = [], []
+    for i in range(turns):
+        for kk in ((k, 0) if i % 2 == 0 else (0, k)):
+            (at_k if kk else at_0).append(run(kk, bool(kk) and not at_k, False))
+    return at_k, at_0
+
+
 def parse_int_list(text: str, option: str, minimum: int = 0, maximum: int = 64) -> list[int]:
     """'0,1,2' -> [0, 1, 2]; ValueError naming the option for anything else."""
     parts = [p.strip() for p in str(text).split(",") if p.strip()]

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import threads
 from ..models.attention import Attention
 from ..models.layers import MLP, PreNormDecoderLayer, RMSNorm, Rotary
 from ..quant.kernels import aoti_c_shims, argmax_rows, int8_mm_available, kernel_choice
@@ -608,7 +609,7 @@ def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str) -> s
         str(w8a8_blocks_on()), str(w8a8_attn_on()), str(w8a8_layer_on()), str(w8a8_trunk_on()),
         torch.__version__, str(pick_vec_isa()),
         # GEMM templates are generated for the thread count in force at compile time.
-        str(torch.get_num_threads()),
+        str(threads.limit()),
         _source_digest(),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
@@ -804,9 +805,11 @@ class FastDecoder:
         step = _Step(self.programs, kind, k)
         if self.backend == "eager":
             return step
-        if self.backend == "inductor":
-            return self._torch_compile(step, kind, t)
-        return self._aoti(step, kind, t, k, self._example(kind, t))
+        # Built for the whole team (its key says so), whatever the load made it just now.
+        with threads.full_team():
+            if self.backend == "inductor":
+                return self._torch_compile(step, kind, t)
+            return self._aoti(step, kind, t, k, self._example(kind, t))
 
     def _configs(self) -> dict:
         low = self.kc[0].dtype in (torch.bfloat16, torch.float16)
@@ -973,6 +976,7 @@ class FastDecoder:
     def _generate(self, prompt_ids, max_tokens, k, res, eos_ids) -> Iterator[int]:
         m = res.metrics
         m.prompt_tokens = len(prompt_ids)
+        threads.tick()
         t0 = time.perf_counter()
         dev = self.device
         first, drafts, probs = self.prefill(prompt_ids, k)
@@ -984,6 +988,7 @@ class FastDecoder:
             yield from emit(emitted, res, eos_ids, max_tokens, t0)
             if res.finish_reason is not None:
                 return
+            threads.tick()
             if k == 0:
                 # Decode and round read the same span at a position (k <= 31), so a row's
                 # attention call is the same whichever step computes it.

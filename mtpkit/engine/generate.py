@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import threads
 from ..models.base import CausalLM
 from ..models.cache import ModelCache
 from ..quant.linear import linear_rows
@@ -184,6 +185,7 @@ class Engine:
         if not params.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        threads.tick()
         t0 = time.perf_counter()
         cache, mtp_cache = self._caches(len(prompt_ids) + params.max_tokens + k + 2)
         model = self.model
@@ -201,6 +203,7 @@ class Engine:
         m.ttft_s = time.perf_counter() - t0
         yield from emit([first], res, eos_ids, params.max_tokens, t0)
         while res.finish_reason is None:
+            threads.tick()
             # Draft no more than the tokens still allowed: a verification emits up to k+1.
             k_step = min(k, params.max_tokens - m.generated_tokens - 1)
             drafts, q = [], None

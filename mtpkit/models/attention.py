@@ -113,16 +113,38 @@ class Attention(nn.Module):
         causal = causal_mask(start, t, q.device)
         if mask is not None:
             causal = mask[None, :] if causal is None else causal & mask[None, :]
-        if cache is not None and 1 < t <= VERIFY_ROWS and mask is None:
-            # A verification pass: each query row attends exactly as the one-token decode
-            # step at its position would (same kernel, same key span, no mask), so the
-            # accepted tokens' states match plain decoding bit for bit wherever the
-            # projections are row-independent (the packed int kernels are); one batched
-            # masked call rounds differently and, through bf16 activations, can flip a
-            # near-tie between the two runs.
-            return torch.cat([sdpa(q[:, :, j : j + 1], k[:, :, : start + j + 1],
-                                   v[:, :, : start + j + 1], None) for j in range(t)], dim=2)
+        if cache is not None and t <= VERIFY_ROWS and mask is None:
+            if _row_kernel(q, k, v):
+                # mtpkit's row attention: a row's bits depend on nothing but its own query
+                # and keys, neither on the other rows nor on the thread count, which the
+                # engine lowers while other programs compete for the CPU (torch's CPU SDPA
+                # splits a one-row step's keys by thread: other bits, other int8 codes on a
+                # quantized trunk, other text beside a busy program).
+                pos = torch.arange(start, start + t, device=q.device)
+                out = torch.ops.mtpkit.attend_rows(q[0].transpose(0, 1), k[0], v[0], pos, t)
+                return out.transpose(0, 1)[None]
+            if t > 1:
+                # A verification pass: each query row attends exactly as the one-token
+                # decode step at its position would (same kernel, same key span, no mask),
+                # so the accepted tokens' states match plain decoding bit for bit wherever
+                # the projections are row-independent (the packed int kernels are); one
+                # batched masked call rounds differently and, through bf16 activations, can
+                # flip a near-tie between the two runs.
+                return torch.cat([sdpa(q[:, :, j : j + 1], k[:, :, : start + j + 1],
+                                       v[:, :, : start + j + 1], None) for j in range(t)],
+                                 dim=2)
         return sdpa(q, k, v, causal)
+
+
+def _row_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether mtpkit's attend_rows takes this step: one fp32 CPU sequence, equal head dims."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[0] != 1:
+        return False
+    if k.dtype != torch.float32 or v.shape[-1] != q.shape[-1] or q.shape[1] % k.shape[1]:
+        return False
+    from ..quant.kernels import int8_mm_available
+
+    return int8_mm_available()
 
 
 class PackedCaches:

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM (default 10)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    from ..cli import threads_arg
+
+    threads_arg(p)
     p.set_defaults(func=_cmd_serve)
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import threads
 from ..engine.generate import Engine, MTPDrafter, Result
 from ..engine.sampling import SamplingParams
 from ..models.base import TrunkOutput
@@ -414,6 +415,7 @@ class Scheduler:
                         w.req.abort_reason, w.req.aborted = _SHUTDOWN, True
             turn %= len(self._running)
             if turn == 0 and self.packed:
+                threads.tick()
                 self._run_jobs()  # a new round: every sequence's pending trunk work at once
             w = self._running[turn]
             w.go.release()

@@ -13,17 +13,24 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace mtpkit_team {
 
 // A barrier for one region's team, made before the region (count and sense zero) and
 // shared by its threads, each with its own sense starting at zero. Against libgomp's
-// barrier (7 waits a layer), SmolLM2 W8A8 in-process A/B, session 27: decode -68 and -75
-// us, verification of 4 rows -79 (fast phase); -14 to -41 and -55 (slow phase). A thread
-// that spins long yields its core, for a team larger than the machine (tests run 3 threads
-// on 2 cores).
+// barrier (7 waits a layer) it saves tens of microseconds a decode step. A waiter spins
+// briefly, then sleeps on a futex: on a CPU shared with other work the member it waits for
+// may be descheduled for a whole time slice, and a spinning (or yielding) waiter holds the
+// very core that member needs, which made verification 5-30x slower beside one busy thread.
 struct Barrier {
   alignas(64) std::atomic<int> count{0};
   alignas(64) std::atomic<int> sense{0};
+  std::atomic<int> sleepers{0};
 
   // Thread's wait, nth the team's size.
   void wait(int& mine, int nth) {
@@ -31,16 +38,44 @@ struct Barrier {
     mine ^= 1;
     if (count.fetch_add(1, std::memory_order_acq_rel) == nth - 1) {
       count.store(0, std::memory_order_relaxed);
-      sense.store(mine, std::memory_order_release);
+      sense.store(mine, std::memory_order_seq_cst);
+      if (sleepers.load(std::memory_order_seq_cst) > 0) wake(&sense);
       return;
     }
     for (int spins = 0; sense.load(std::memory_order_acquire) != mine; spins++) {
-      _mm_pause();
-      if (spins >= 4096) {
-        std::this_thread::yield();
-        spins = 0;
+      if (spins < kSpins) {
+        _mm_pause();
+        continue;
       }
+      // Registered before the last look, so that the releaser sees a sleeper or the
+      // sleeper sees the new sense (both seq_cst): no wake-up is lost.
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (sense.load(std::memory_order_seq_cst) != mine) sleep_on(&sense, mine ^ 1);
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
     }
+  }
+
+  // About 10-40 us of pauses (their latency differs by core): longer than a balanced
+  // team's usual wait, far shorter than a scheduler time slice.
+  static constexpr int kSpins = 2048;
+
+  static void sleep_on(std::atomic<int>* word, int value) {
+#ifdef __linux__
+    syscall(SYS_futex, reinterpret_cast<int*>(word), FUTEX_WAIT_PRIVATE, value, nullptr,
+            nullptr, 0);
+#else
+    (void)word, (void)value;
+    std::this_thread::yield();
+#endif
+  }
+
+  static void wake(std::atomic<int>* word) {
+#ifdef __linux__
+    syscall(SYS_futex, reinterpret_cast<int*>(word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr,
+            nullptr, 0);
+#else
+    (void)word;
+#endif
   }
 };
 

@@ -1,0 +1,169 @@
+"""How many threads a decode step takes: the CPUs this process may use, a user's cap, and
+how many of them other work leaves free right now.
+
+A 2-thread step whose second thread shares its core with another program waits at every
+parallel region for a thread the OS has descheduled: beside one busy thread, multi-row
+steps ran 4-10x slower, where one thread alone keeps most of its speed (its core is its
+own). So the engine calls ``tick()`` between steps; every quarter second or so that reads
+how much CPU time other processes took (``/proc/stat`` less this process's own) and sizes
+the team to what is left: all usable CPUs on a quiet machine, fewer beside other work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+WINDOW_S = 0.25  # shortest interval the CPU counters are read over (they tick at 100 Hz)
+
+
+def _cgroup_cpus(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (v2 ``cpu.max``, v1 CFS), or None."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            return int(quota) / int(period)
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        n = os.cpu_count() or 1
+    quota = _cgroup_cpus(cgroup_root)
+    if quota is not None:
+        n = min(n, max(1, math.ceil(quota)))
+    return max(1, n)
+
+
+def team_for(others_cpus: float, limit: int) -> int:
+    """Threads to run when other processes keep ``others_cpus`` CPUs busy (of ``limit``)."""
+    # Rounding: a thread is added back once at least half of its core is free. Beside one
+    # busy thread on 2 CPUs the other program takes 2/3 of a CPU while we run 2 threads and
+    # a whole one while we run 1, so either way this picks 1: no flapping.
+    return max(1, min(limit, round(limit - others_cpus)))
+
+
+def _system_busy_s() -> float | None:
+    """Seconds of CPU time all processes took since boot (everything but idle and iowait)."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:8]]  # user nice system idle iowait irq softirq
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _self_busy_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+@dataclass
+class Governor:
+    """Sizes torch's thread team between steps from the CPU other processes use."""
+
+    limit: int  # most threads: usable CPUs, or the user's --threads
+    adaptive: bool = True
+    threads: int = 0  # in force now
+    _last: tuple[float, float, float] | None = None  # wall, system busy, own busy
+
+    def tick(self) -> int:
+        """Re-size the team if a window has passed; the thread count in force."""
+        now = time.perf_counter()
+        if self.adaptive and (self._last is None or now - self._last[0] >= WINDOW_S):
+            self._measure(now)
+        self._apply()
+        return self.threads
+
+    def _measure(self, now: float) -> None:
+        sys_busy, own = _system_busy_s(), _self_busy_s()
+        if sys_busy is None:  # no /proc/stat: keep the limit
+            self.adaptive = False
+            return
+        if self._last is not None:
+            wall = now - self._last[0]
+            others = max(0.0, (sys_busy - self._last[1]) - (own - self._last[2])) / wall
+            self.threads = team_for(others, self.limit)
+        self._last = (now, sys_busy, own)
+
+    def _apply(self) -> None:
+        # torch keeps the count per thread (OpenMP's per-thread setting): set it in every
+        # thread that computes, here as it ticks.
+        import torch
+
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
+
+_governor: Governor | None = None
+_torch_threads: list[int] = []
+
+
+def _torch_default() -> int:
+    import torch
+
+    if not _torch_threads:
+        _torch_threads.append(torch.get_num_threads())
+    return _torch_threads[0]
+
+
+def configure(threads: int | None = None) -> Governor:
+    """Set the team's limit (``threads``, else every usable CPU) and start adapting to load.
+
+    ``threads`` given by the user is a fixed size: no adapting."""
+    global _governor
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    # torch's own default (physical cores, or OMP_NUM_THREADS) within what affinity and a
+    # cgroup quota allow; read once, before any governor changed it.
+    limit = threads or min(_torch_default(), usable_cpus())
+    gov = Governor(limit=limit, adaptive=threads is None, threads=limit)
+    gov._apply()
+    _governor = gov
+    return gov
+
+
+def governor() -> Governor:
+    """The process's governor (configured with defaults on first use)."""
+    return _governor if _governor is not None else configure()
+
+
+@contextlib.contextmanager
+def full_team():
+    """Run the block with the team at its limit (compiling programs built for that size)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(limit())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def tick() -> int:
+    """Between steps: let the governor re-size the team; the thread count in force."""
+    return governor().tick()
+
+
+def limit() -> int:
+    """The most threads a step may take here: what compiled programs are built for."""
+    return governor().limit
