@@ -76,6 +76,20 @@ def _self_busy_s() -> float:
     return t.user + t.system
 
 
+def mark() -> tuple[float, float, float] | None:
+    """Now, for ``others_since``: wall clock, all processes' and this process's CPU time."""
+    sys_busy = _system_busy_s()
+    return None if sys_busy is None else (time.perf_counter(), sys_busy, _self_busy_s())
+
+
+def others_since(start: tuple[float, float, float] | None) -> float | None:
+    """CPUs other processes kept busy on average since ``start`` (None where unknown)."""
+    end = mark()
+    if start is None or end is None or end[0] <= start[0]:
+        return None
+    return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
+
+
 @dataclass
 class Governor:
     """Sizes torch's thread team between steps from the CPU other processes use."""
@@ -94,15 +108,15 @@ class Governor:
         return self.threads
 
     def _measure(self, now: float) -> None:
-        sys_busy, own = _system_busy_s(), _self_busy_s()
+        sys_busy = _system_busy_s()
         if sys_busy is None:  # no /proc/stat: keep the limit
             self.adaptive = False
             return
+        here = (now, sys_busy, _self_busy_s())
         if self._last is not None:
-            wall = now - self._last[0]
-            others = max(0.0, (sys_busy - self._last[1]) - (own - self._last[2])) / wall
-            self.threads = team_for(others, self.limit)
-        self._last = (now, sys_busy, own)
+            others = max(0.0, (here[1] - self._last[1]) - (here[2] - self._last[2]))
+            self.threads = team_for(others / (now - self._last[0]), self.limit)
+        self._last = here
 
     def _apply(self) -> None:
         # torch keeps the count per thread (OpenMP's per-thread setting): set it in every
