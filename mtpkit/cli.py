@@ -281,7 +281,8 @@ def _builtin_head_or_none():
 
 def _eval_args(sub) -> None:
     p = sub.add_parser("eval", help="measure MTP acceptance offline",
-                       description="Per-position acceptance of a model's MTP head on a corpus.")
+                       description="Per-position acceptance of a model's MTP head on a corpus "
+                                   "and, in teacher mode, the trunk's perplexity on it.")
     p.add_argument("--model", help="checkpoint (default: the built-in model)")
     p.add_argument("--head", help="head folder to lay over the model")
     p.add_argument("--data", nargs="+", required=True, help="text files, folders or JSONL")
@@ -341,6 +342,9 @@ def _cmd_eval(a) -> int:
         table.add_row(str(i), f"{100 * r:.1f}%", f"{mal:.2f}")
     Console().print(table)
     print(f"mean acceptance length: {result['mean_acceptance_length']:.2f}")
+    if result.get("perplexity") is not None:
+        print(f"trunk perplexity: {result['perplexity']:.4f} over "
+              f"{result['perplexity_tokens']} tokens")
     if a.mode == "generate":
         m = result
         print(f"tokens/s with MTP: {m['tokens_per_s']:.1f}; speed-up over no MTP: "

@@ -10,6 +10,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -138,6 +139,30 @@ def test_eval_cli_teacher_and_generate(setup, trained, capsys):
     assert main(["eval", "--model", str(trunk), "--head", str(trained), "--data", *held,
                  "--dtype", "float8"]) == 2
     assert "--dtype 'float8' is not one of" in capsys.readouterr().err
+
+
+def test_eval_perplexity_matches_transformers(setup, trained):
+    """Teacher mode's trunk perplexity equals exp(transformers' mean cross-entropy) over
+    the same corpus chunks."""
+    from transformers import AutoModelForCausalLM
+
+    from mtpkit.train.data import iter_chunks
+
+    _, trunk, data = setup
+    files = sorted(str(f) for f in data.iterdir())
+    loaded = _quiet_load(trunk, head=trained)
+    model, tok = loaded.model, loaded.tokenizer
+    rep = teacher_eval(model, tok, files, 1, max_tokens=600, seq_len=64)
+    rows = rep.predicted // 63
+    assert rows >= 8 and rep.predicted == rows * 63
+    ref = AutoModelForCausalLM.from_pretrained(trunk, dtype=torch.float32).eval()
+    nll = 0.0
+    with torch.no_grad():
+        for _, chunk in zip(range(rows), iter_chunks(tok, files, 64), strict=False):
+            ids = torch.tensor([chunk])
+            nll += float(ref(ids, labels=ids).loss) * 63
+    assert rep.perplexity == pytest.approx(float(np.exp(nll / rep.predicted)), rel=1e-4)
+    assert rep.as_dict()["perplexity"] == rep.perplexity
 
 
 def test_eval_draft_vocab_size_drafts_from_the_most_frequent_tokens(setup, trained, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,13 @@ class TeacherReport:
     passed: list[int] = field(default_factory=list)  # [k] drafts accepted at depth s
     tried: list[int] = field(default_factory=list)  # [k] drafts evaluable at depth s
     seconds: float = 0.0
+    nll: float = 0.0  # the trunk's summed -log p(next corpus token), natural log
+    predicted: int = 0  # tokens that sum is over
+
+    @property
+    def perplexity(self) -> float | None:
+        """exp(mean negative log-likelihood) of the trunk on the corpus chunks read."""
+        return math.exp(self.nll / self.predicted) if self.predicted else None
 
     @property
     def conditional(self) -> list[float]:
@@ -54,6 +62,7 @@ class TeacherReport:
                 "per_position_acceptance_rate": self.per_position,
                 "conditional_acceptance_rate": self.conditional,
                 "mean_acceptance_length": self.mean_acceptance_length,
+                "perplexity": self.perplexity, "perplexity_tokens": self.predicted,
                 "seconds": self.seconds}
 
 
@@ -81,7 +90,14 @@ def teacher_eval(
             break
         ids = torch.tensor(batch, device=model.model.embed_tokens.weight.device)
         out = model(ids)
-        greedy = model.logits(out.hidden).argmax(-1)  # [B, T]: trunk's choice after each pos
+        logits = model.logits(out.hidden)
+        greedy = logits.argmax(-1)  # [B, T]: trunk's choice after each pos
+        # The trunk's perplexity on the same chunks: what a quantized trunk lost, measured
+        # beside what its head accepts.
+        logp = torch.log_softmax(logits[:, :-1].float(), -1)
+        rep.nll -= float(logp.gather(-1, ids[:, 1:, None]).sum())
+        rep.predicted += ids.shape[0] * (ids.shape[1] - 1)
+        del logits, logp
         t = ids.shape[1]
         n = t - 1 - k  # positions i whose depth-k target greedy[i + k] exists
         if n <= 0:
