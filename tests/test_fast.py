@@ -7,7 +7,13 @@ import os
 import pytest
 import torch
 
-from mtpkit.engine.fast import FastDecoder, dynamo_graphs, enable_fast, unsupported_reason
+from mtpkit.engine.fast import (
+    FastDecoder,
+    W8A8Forms,
+    dynamo_graphs,
+    enable_fast,
+    unsupported_reason,
+)
 from mtpkit.engine.generate import Engine, Result
 from mtpkit.engine.sampling import SamplingParams
 
@@ -331,7 +337,7 @@ def test_row_exact_trunks_stack_qkv_and_gate_up_exactly(scheme, quantized_engine
     assert all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
 
 
-def test_w8a8_layer_ops_change_no_bit(quantized_engines, monkeypatch):
+def test_w8a8_layer_ops_change_no_bit(quantized_engines):
     """Fused W8A8 layers run all in one op (w8a8_trunk), as one op each (w8a8_layer: norm,
     q/k/v, rotary, cache writes, attention, MLP) or attend inside the MLP's op
     (w8a8_attn_post): trunk states and cache entries are the bits of w8a8_pre, the rotary,
@@ -342,10 +348,9 @@ def test_w8a8_layer_ops_change_no_bit(quantized_engines, monkeypatch):
     tokens = torch.tensor([[7, 19, 3, 44, 5]])
     outs = []
     with torch.inference_mode():
-        for attn, layer, trunk in (("1", "1", True), ("1", "1", False), ("1", "0", False),
-                                   ("0", "0", False)):
-            monkeypatch.setenv("MTPKIT_W8A8_ATTN", attn)
-            monkeypatch.setenv("MTPKIT_W8A8_LAYER", layer)
+        for attn, layer, trunk in ((True, True, True), (True, True, False),
+                                   (True, False, False), (False, False, False)):
+            pr.forms = W8A8Forms(attn=attn, layer=layer, trunk=trunk)
             pr.w8a8_trunk = trunk
             for b in dec.kc + dec.vc:
                 b.zero_()
@@ -357,7 +362,7 @@ def test_w8a8_layer_ops_change_no_bit(quantized_engines, monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
 
 
-def test_w8a8_trunks_take_stacked_caches_only_as_one_op(quantized_engines, monkeypatch):
+def test_w8a8_trunks_take_stacked_caches_only_as_one_op(quantized_engines):
     """A W8A8 trunk whose compiled steps run as one w8a8_trunk op keeps its caches stacked
     (FastDecoder.kv, kc/vc its views); with the one-layer-op form switched off (to compare)
     its caches stay a tensor a layer, and a compiled step never gets stacked ones it would
@@ -367,8 +372,7 @@ def test_w8a8_trunks_take_stacked_caches_only_as_one_op(quantized_engines, monke
     kstack, vstack = dec.kv
     assert kstack.dim() == 5 and kstack.shape[0] == len(dec.kc)
     assert all(k.data_ptr() == kstack[i].data_ptr() for i, k in enumerate(dec.kc))
-    monkeypatch.setenv("MTPKIT_W8A8_LAYER", "0")
-    other = FastDecoder(model, backend="eager", max_len=128)
+    other = FastDecoder(model, backend="eager", max_len=128, forms=W8A8Forms(layer=False))
     assert not other.programs.stacked_caches
     assert other.kv[0] is other.kc and other.kv[1] is other.vc
     assert len({k.data_ptr() for k in other.kc}) == len(other.kc)

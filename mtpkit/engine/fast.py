@@ -195,29 +195,20 @@ def _row_kernel(q: torch.Tensor, kbuf: torch.Tensor) -> bool:
             and int8_mm_available())
 
 
-def w8a8_blocks_on() -> bool:
-    """Whether W8A8 layers take the fused ops; MTPKIT_W8A8_BLOCK=0 keeps an op per GEMM
-    (to compare the two; programs are keyed on it)."""
-    return os.environ.get("MTPKIT_W8A8_BLOCK", "1") != "0"
+@dataclass(frozen=True)
+class W8A8Forms:
+    """How W8A8 layers on mtpkit's kernels run. Every form gives the same bits; the
+    defaults are the fastest, and the others exist so that tests and benchmarks can set
+    them side by side (programs are keyed on them)."""
 
+    block: bool = True  # fused ops (_w8a8_block) rather than an op per GEMM
+    attn: bool = True  # attention inside a fused op (w8a8_layer or w8a8_attn_post)
+    layer: bool = True  # a whole layer as one op (w8a8_layer)
+    trunk: bool = True  # a trunk of whole-layer ops as one op (w8a8_trunk)
 
-def w8a8_attn_on() -> bool:
-    """Whether fused W8A8 layers attend inside one of their ops (w8a8_layer or
-    w8a8_attn_post); MTPKIT_W8A8_ATTN=0 keeps attend_rows apart, w8a8_layer off too (to
-    compare; programs are keyed on it)."""
-    return os.environ.get("MTPKIT_W8A8_ATTN", "1") != "0"
-
-
-def w8a8_layer_on() -> bool:
-    """Whether fused W8A8 layers run as one op (w8a8_layer); MTPKIT_W8A8_LAYER=0 keeps
-    w8a8_pre and w8a8_attn_post (to compare; programs are keyed on it)."""
-    return os.environ.get("MTPKIT_W8A8_LAYER", "1") != "0"
-
-
-def w8a8_trunk_on() -> bool:
-    """Whether a trunk of whole-layer W8A8 ops runs as one op (w8a8_trunk);
-    MTPKIT_W8A8_TRUNK=0 keeps an op a layer (to compare; programs are keyed on it)."""
-    return os.environ.get("MTPKIT_W8A8_TRUNK", "1") != "0"
+    def key(self) -> str:
+        """The forms as a build-key part."""
+        return "|".join(str(v) for v in (self.block, self.attn, self.layer, self.trunk))
 
 
 def w8a8_block_fits(layer, fused: nn.ModuleDict | None) -> bool:
@@ -237,11 +228,12 @@ def w8a8_block_fits(layer, fused: nn.ModuleDict | None) -> bool:
             and not attn.output_gate and type(mlp) is MLP)
 
 
-def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused) -> torch.Tensor:
+def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused,
+                forms: W8A8Forms) -> torch.Tensor:
     # The layer as one of mtpkit's ops, one OpenMP region (csrc/w8a8_block.cpp; a region
     # per GEMM let the weight stream idle between them): input norm, q/k/v, rotary, cache
     # writes, row attention, o_proj, residual, norm, gate/up, SiLU, down, residual. Layers
-    # with q/k norms (and MTPKIT_W8A8_LAYER=0) run two: w8a8_pre, then the rotary and cache
+    # with q/k norms (and the one-layer form off) run two: w8a8_pre, then the rotary and cache
     # writes here, then the rest in w8a8_attn_post. Each form gives the bits of the ops apart
     # with PyTorch's rotary (tests).
     b, t, d = x.shape
@@ -250,7 +242,7 @@ def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused) -> torch
     x2 = x.reshape(t, d)
     mlp_ops = (ln2.weight, ln2.eps, *fused["gate_up"].a8_operands(),
                *mlp.down_proj.a8_operands(), mlp.down_proj.in_features)
-    if _w8a8_whole(layer, x, kbuf, rows):
+    if _w8a8_whole(layer, x, kbuf, rows, forms):
         # The whole layer in one region: norm, q/k/v, rotary, cache writes, attention, MLP.
         out = torch.ops.mtpkit.w8a8_layer(
             x2, ln1.weight, ln1.eps, *qkv.a8_operands(), cos, sin, kbuf, vbuf, pos,
@@ -258,7 +250,7 @@ def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused) -> torch
         return out.view(b, t, d)
     proj = torch.ops.mtpkit.w8a8_pre(x2, ln1.weight, ln1.eps, *qkv.a8_operands())
     qkv_out = proj[:, : qkv.out_features].view(b, t, -1)
-    if rows is not None and w8a8_attn_on() and _row_kernel(qkv_out, kbuf):
+    if rows is not None and forms.attn and _row_kernel(qkv_out, kbuf):
         # The attention inside the same region as the MLP (csrc/attend.h: attend_rows'
         # passes, the same bits): one fork a layer fewer, and no op between.
         q, _ = _qkv_cached(attn, None, cos, sin, kbuf, vbuf, pos, qkv=qkv_out)
@@ -274,9 +266,9 @@ def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused) -> torch
     return out.view(b, t, d)
 
 
-def _w8a8_whole(layer, x, kbuf, rows) -> bool:
+def _w8a8_whole(layer, x, kbuf, rows, forms: W8A8Forms) -> bool:
     # Whether _w8a8_block runs the layer as one w8a8_layer op.
-    return (rows is not None and w8a8_attn_on() and w8a8_layer_on() and _row_kernel(x, kbuf)
+    return (rows is not None and forms.attn and forms.layer and _row_kernel(x, kbuf)
             and layer.self_attn.q_norm is None)
 
 
@@ -329,7 +321,8 @@ class Programs(nn.Module):
     """The step functions; a module holding the model so that export and compilation see
     its weights as parameters (which freezing folds into the program)."""
 
-    def __init__(self, model, draft_vocab: torch.Tensor | None) -> None:
+    def __init__(self, model, draft_vocab: torch.Tensor | None,
+                 forms: W8A8Forms | None = None) -> None:
         super().__init__()
         self.model = model
         cfg = model.config
@@ -383,7 +376,8 @@ class Programs(nn.Module):
                     ("gate_up", stack_outputs([block.mlp.gate_proj, block.mlp.up_proj])))
                 if layer is not None}) for block in model.model.layers)
         # W8A8 layers on mtpkit's kernels run as fused ops (_w8a8_block).
-        fuse = w8a8_blocks_on()
+        self.forms = forms = forms or W8A8Forms()
+        fuse = forms.block
         layers = model.model.layers
         per_layer = self.fused if self.fused is not None else [None] * len(layers)
         self.w8a8_blocks = [fuse and w8a8_block_fits(block, f)
@@ -391,14 +385,14 @@ class Programs(nn.Module):
         # A trunk of them, alike in norm epsilons, heads and MLP width, as one op.
         shapes = {(b.input_layernorm.eps, b.post_attention_layernorm.eps, b.self_attn.num_heads,
                    b.mlp.down_proj.in_features) for b in layers}
-        self.w8a8_trunk = (w8a8_trunk_on() and len(layers) > 0 and all(self.w8a8_blocks)
+        self.w8a8_trunk = (forms.trunk and len(layers) > 0 and all(self.w8a8_blocks)
                            and len(shapes) == 1)
         # Whether every compiled trunk step runs as that one op (_w8a8_whole's conditions
         # that do not depend on a call), so that the steps can take the caches stacked
         # (FastDecoder.kv).
         emb = model.model.embed_tokens.weight
-        self.stacked_caches = (self.w8a8_trunk and self.rowwise and w8a8_attn_on()
-                               and w8a8_layer_on() and emb.device.type == "cpu"
+        self.stacked_caches = (self.w8a8_trunk and self.rowwise and forms.attn
+                               and forms.layer and emb.device.type == "cpu"
                                and emb.dtype == torch.float32
                                and all(b.self_attn.q_norm is None for b in layers))
         self.register_buffer("vocab", None)
@@ -427,7 +421,7 @@ class Programs(nn.Module):
         x = m.model.embed_tokens(ids)
         layers = m.model.layers
         if (self.w8a8_trunk and all(self.w8a8_blocks)
-                and all(_w8a8_whole(layer, x, kc[0], rows) for layer in layers)):
+                and all(_w8a8_whole(layer, x, kc[0], rows, self.forms) for layer in layers)):
             x = _w8a8_trunk(layers, self.fused, x, cos, sin, kc, vc, pos, mask, rows)
             return m.model.norm(x), x
         if isinstance(kc, torch.Tensor) and (torch.compiler.is_compiling()
@@ -436,8 +430,11 @@ class Programs(nn.Module):
             raise RuntimeError("stacked caches compile only as one w8a8_trunk op")
         for i, layer in enumerate(layers):
             fused = None if self.fused is None else self.fused[i]
-            step = _w8a8_block if fused is not None and self.w8a8_blocks[i] else _block
-            x = step(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows, fused)
+            if fused is not None and self.w8a8_blocks[i]:
+                x = _w8a8_block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows, fused,
+                                self.forms)
+            else:
+                x = _block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows, fused)
         return m.model.norm(x), x
 
     def head(self, ids, hidden, pos, hk, hv, span=None, zero_first: bool = False):
@@ -601,12 +598,12 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str) -> str:
+def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str,
+               forms: W8A8Forms) -> str:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     parts = [
-        fingerprint, kind, shapes, str(k), mode, os.environ.get("MTPKIT_GEMM_BACKENDS", ""),
-        str(w8a8_blocks_on()), str(w8a8_attn_on()), str(w8a8_layer_on()), str(w8a8_trunk_on()),
+        fingerprint, kind, shapes, str(k), mode, forms.key(),
         torch.__version__, str(pick_vec_isa()),
         # GEMM templates are generated for the thread count in force at compile time.
         str(threads.limit()),
@@ -641,8 +638,6 @@ def _inductor_configs(mode: str, rowwise: bool = False, low_precision: bool = Fa
         # prompts identical; one row count with these settings: 12/12).
         cfg["max_autotune_gemm_backends"] = "CPP"
         cfg["autotune_fallback_to_aten"] = True
-    if os.environ.get("MTPKIT_GEMM_BACKENDS"):  # e.g. CPP or ATEN, to compare GEMM choices
-        cfg["max_autotune_gemm_backends"] = os.environ["MTPKIT_GEMM_BACKENDS"]
     return cfg
 
 
@@ -668,6 +663,7 @@ class FastDecoder:
     ``max_len`` fixes the cache: prompt + max_tokens + 2k + 2 positions must fit.
     ``draft_p_min`` lets a round verify only the drafts before the first whose head
     probability falls below it (one program per verify length, built up front).
+    ``forms`` picks how W8A8 layers run (default: the fastest; others to compare).
     """
 
     def __init__(
@@ -679,6 +675,7 @@ class FastDecoder:
         mode: str = "max-autotune",
         draft_p_min: float | None = None,
         cache_dir: str | Path | None = None,
+        forms: W8A8Forms | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -691,7 +688,7 @@ class FastDecoder:
             # programs ask it (argmax_rows), and its first answer reads the CPU's
             # capability, which dynamo cannot trace (a bf16 CPU model failed to compile).
             int8_mm_available()
-        self.programs = Programs(model, draft_vocab).eval()
+        self.programs = Programs(model, draft_vocab, forms).eval()
         self.backend, self.mode = backend, mode
         self.draft_p_min = draft_p_min
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -843,7 +840,7 @@ class FastDecoder:
         # torch's); choosing also loads mtpkit's, which a program that calls them needs
         # before it is loaded.
         shapes = f"T={t},L={self.max_len},dtype={self.kc[0].dtype},int8={kernel_choice()}"
-        key = _build_key(self._fingerprint, kind, shapes, k, self.mode)
+        key = _build_key(self._fingerprint, kind, shapes, k, self.mode, self.programs.forms)
         path = self.cache_dir / f"{kind}-{key}.pt2"
         if not path.exists():
             import sys
