@@ -198,7 +198,6 @@ def _calibrate_args(sub) -> None:
 
 
 def _cmd_calibrate(a) -> int:
-
     from .train.calibrate import CalibrateConfig, run
 
     if a.init == "head" and a.head is None and a.model is None:

@@ -76,18 +76,25 @@ def _self_busy_s() -> float:
     return t.user + t.system
 
 
-def mark() -> tuple[float, float, float] | None:
-    """Now, for ``others_since``: wall clock, all processes' and this process's CPU time."""
+Mark = tuple[float, float, float]  # wall clock, all processes' CPU s, this process's CPU s
+
+
+def mark() -> Mark | None:
+    """Now, for ``others_since``; None where the CPU counters cannot be read."""
     sys_busy = _system_busy_s()
     return None if sys_busy is None else (time.perf_counter(), sys_busy, _self_busy_s())
 
 
-def others_since(start: tuple[float, float, float] | None) -> float | None:
+def _others(start: Mark, end: Mark) -> float:
+    return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
+
+
+def others_since(start: Mark | None) -> float | None:
     """CPUs other processes kept busy on average since ``start`` (None where unknown)."""
     end = mark()
     if start is None or end is None or end[0] <= start[0]:
         return None
-    return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
+    return _others(start, end)
 
 
 @dataclass
@@ -97,25 +104,23 @@ class Governor:
     limit: int  # most threads: usable CPUs, or the user's --threads
     adaptive: bool = True
     threads: int = 0  # in force now
-    _last: tuple[float, float, float] | None = None  # wall, system busy, own busy
+    _last: Mark | None = None
 
     def tick(self) -> int:
         """Re-size the team if a window has passed; the thread count in force."""
-        now = time.perf_counter()
-        if self.adaptive and (self._last is None or now - self._last[0] >= WINDOW_S):
-            self._measure(now)
+        if self.adaptive and (self._last is None
+                              or time.perf_counter() - self._last[0] >= WINDOW_S):
+            self._measure()
         self._apply()
         return self.threads
 
-    def _measure(self, now: float) -> None:
-        sys_busy = _system_busy_s()
-        if sys_busy is None:  # no /proc/stat: keep the limit
+    def _measure(self) -> None:
+        here = mark()
+        if here is None:  # no /proc/stat: keep the limit
             self.adaptive = False
             return
-        here = (now, sys_busy, _self_busy_s())
         if self._last is not None:
-            others = max(0.0, (here[1] - self._last[1]) - (here[2] - self._last[2]))
-            self.threads = team_for(others / (now - self._last[0]), self.limit)
+            self.threads = team_for(_others(self._last, here), self.limit)
         self._last = here
 
     def _apply(self) -> None:
