@@ -61,7 +61,7 @@ def _generate(engine, ids, params, k) -> tuple[list[int], float]:
 
 
 def measure_path(engine, prompts: list[list[int]], k: int, max_tokens: int, rounds: int,
-                 busy: Callable = busy_thread, on_turn: Callable | None = None) -> dict:
+                 busy: Callable = busy_thread) -> dict:
     """Tokens/s of ``engine`` at k and at 0, quiet and beside one busy thread.
 
     Both draft lengths run once before timing (first-run costs land on neither), then
@@ -85,10 +85,9 @@ def measure_path(engine, prompts: list[list[int]], k: int, max_tokens: int, roun
                         c.outputs.setdefault(i, toks)
                         if c.outputs[i] != toks:
                             c.outputs[i] = None  # the same request gave other tokens
-            if on_turn:
-                on_turn()
     ref = cells[("quiet", 0)].outputs
-    identical = all(c.outputs == ref for c in cells.values())
+    identical = all(c.outputs == ref and None not in c.outputs.values()
+                    for c in cells.values())
     row = {"k": k, "identical": identical, "quiet_mtp": None, "busy_mtp": None}
     for (ph, kk), c in cells.items():
         row[f"{ph}_{'mtp' if kk else 'plain'}"] = c.tokens_per_s
