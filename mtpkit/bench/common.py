@@ -32,8 +32,8 @@ def compare_in_turns(run, k: int, turns: int = 2) -> tuple[list, list]:
     the user sees; ``warm``: a short untimed one). Both lengths warm up first, so that
     first-run costs (lazy loads, page faults on the weights, allocator growth) land on
     neither (a first --compare on a fresh machine said 0.54x, later ones 1.2-1.3x); then
-    ``turns`` pairs in ABBA
-    order (k, 0, 0, k, ...), so that drift in the machine's speed favours neither. Returns
+    ``turns`` pairs in ABBA order (k, 0, 0, k, ...), so that drift in the machine's speed
+    favours neither. Returns
     (runs at k, runs at 0), warm-ups left out."""
     run(k, False, True)
     run(0, False, True)

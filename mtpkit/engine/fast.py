@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import threads
-from ..models.attention import Attention
+from ..models.attention import Attention, row_kernel_fits
 from ..models.layers import MLP, PreNormDecoderLayer, RMSNorm, Rotary
 from ..quant.kernels import aoti_c_shims, argmax_rows, int8_mm_available, kernel_choice
 from ..quant.kernels import source_digest as kernel_source_digest
@@ -166,7 +166,7 @@ def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
     if rows is None:
         out = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, hd), keys, values,
                                              attn_mask=mask).reshape(b, nh, t, hd)
-    elif _row_kernel(q, kbuf):
+    elif row_kernel_fits(q, kbuf):
         # mtpkit's kernel: each row (keys 0..pos[j], the mask's rule) the same computation
         # a one-token step makes, all rows in one call; a third of torch's SDPA time for a
         # row here. Rows past ``rows`` are padding and copy the last. Out [T, H, D].
@@ -187,12 +187,6 @@ def _out_proj(attn, out: torch.Tensor, gate: torch.Tensor | None, fused=None) ->
     if gate is not None:
         out = out * torch.sigmoid(gate)
     return _lin(fused, "o_proj", attn.o_proj)(out)
-
-
-def _row_kernel(q: torch.Tensor, kbuf: torch.Tensor) -> bool:
-    """Whether row-by-row attention can take mtpkit's CPU kernel (fp32, kernels built)."""
-    return (q.device.type == "cpu" and q.dtype == kbuf.dtype == torch.float32
-            and int8_mm_available())
 
 
 @dataclass(frozen=True)
@@ -250,7 +244,7 @@ def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused,
         return out.view(b, t, d)
     proj = torch.ops.mtpkit.w8a8_pre(x2, ln1.weight, ln1.eps, *qkv.a8_operands())
     qkv_out = proj[:, : qkv.out_features].view(b, t, -1)
-    if rows is not None and forms.attn and _row_kernel(qkv_out, kbuf):
+    if rows is not None and forms.attn and row_kernel_fits(qkv_out, kbuf):
         # The attention inside the same region as the MLP (csrc/attend.h: attend_rows'
         # passes, the same bits): one fork a layer fewer, and no op between.
         q, _ = _qkv_cached(attn, None, cos, sin, kbuf, vbuf, pos, qkv=qkv_out)
@@ -268,7 +262,7 @@ def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused,
 
 def _w8a8_whole(layer, x, kbuf, rows, forms: W8A8Forms) -> bool:
     # Whether _w8a8_block runs the layer as one w8a8_layer op.
-    return (rows is not None and forms.attn and forms.layer and _row_kernel(x, kbuf)
+    return (rows is not None and forms.attn and forms.layer and row_kernel_fits(x, kbuf)
             and layer.self_attn.q_norm is None)
 
 

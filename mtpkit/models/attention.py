@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quant.kernels import int8_mm_available
 from ..quant.linear import dtype_device
 from .cache import KVCache
 from .layers import RMSNorm, Rotary
@@ -114,7 +115,9 @@ class Attention(nn.Module):
         if mask is not None:
             causal = mask[None, :] if causal is None else causal & mask[None, :]
         if cache is not None and t <= VERIFY_ROWS and mask is None:
-            if _row_kernel(q, k, v):
+            # attend_rows takes one sequence, query heads grouped on KV heads, v as wide as q.
+            if (q.shape[0] == 1 and v.shape[-1] == q.shape[-1] and q.shape[1] % k.shape[1] == 0
+                    and row_kernel_fits(q, k)):
                 # mtpkit's row attention: a row's bits depend on nothing but its own query
                 # and keys, neither on the other rows nor on the thread count, which the
                 # engine lowers while other programs compete for the CPU (torch's CPU SDPA
@@ -136,15 +139,10 @@ class Attention(nn.Module):
         return sdpa(q, k, v, causal)
 
 
-def _row_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether mtpkit's attend_rows takes this step: one fp32 CPU sequence, equal head dims."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[0] != 1:
-        return False
-    if k.dtype != torch.float32 or v.shape[-1] != q.shape[-1] or q.shape[1] % k.shape[1]:
-        return False
-    from ..quant.kernels import int8_mm_available
-
-    return int8_mm_available()
+def row_kernel_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether mtpkit's attend_rows can attend q over keys k here (fp32 CPU, kernels built)."""
+    return (q.device.type == "cpu" and q.dtype == k.dtype == torch.float32
+            and int8_mm_available())
 
 
 class PackedCaches:
