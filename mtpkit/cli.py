@@ -62,11 +62,13 @@ def threads_arg(p) -> None:
 
 
 def _compile_args(p) -> None:
-    p.add_argument("--compile", choices=["off", "aoti", "inductor", "eager"], default="off",
-                   help="greedy decoding through fixed-shape compiled programs (aoti: built "
-                        "once, about 1.5 min per program, then loaded from the cache in "
-                        "seconds; inductor: torch.compile in process; eager: the same "
-                        "programs uncompiled). Default off")
+    p.add_argument("--compile", choices=["auto", "off", "aoti", "inductor", "eager"],
+                   default="auto",
+                   help="how greedy requests run their fixed-shape programs (auto, the "
+                        "default: compiled where `mtpkit warmup` built them, else uncompiled, "
+                        "so nothing waits on a build; aoti: build any missing now, about 1.5 "
+                        "min each, then load them from the cache; inductor: torch.compile in "
+                        "process; eager: never compiled; off: the plain eager engine)")
     draft_vocab_size_arg(p)
     p.add_argument("--draft-p-min", type=float, default=None,
                    help="with --compile: verify only the drafts before the first whose head "
@@ -103,15 +105,17 @@ def _cmd_generate(a) -> int:
     fast = session.engine.fast
     if fast is not None:
         if not params.greedy:
-            print("note: --compile serves greedy requests; sampling runs eagerly",
-                  file=sys.stderr)
+            if a.compile != "auto":
+                print("note: --compile serves greedy requests; sampling runs eagerly",
+                      file=sys.stderr)
         else:
             fast.warmup(k)
             if a.compare and k:
                 fast.warmup(0)
             st = fast.stats
-            print(f"compiled programs: {st.loaded} loaded, {st.compiled} built; ready "
-                  f"{time.perf_counter() - t0:.1f} s after start", file=sys.stderr)
+            if st.loaded or st.compiled or a.compile != "auto":
+                print(f"compiled programs: {st.loaded} loaded, {st.compiled} built; ready "
+                      f"{time.perf_counter() - t0:.1f} s after start", file=sys.stderr)
     stream = not a.json
 
     def run(kk: int, watched: bool, warm: bool = False):
@@ -158,6 +162,52 @@ def _cmd_generate(a) -> int:
                   f"{report['speedup']:.2f}x; output {same}", file=sys.stderr)
             if report["busy_cpu_warning"]:
                 print(f"warning: {report['busy_cpu_warning']}", file=sys.stderr)
+    return 0
+
+
+def _warmup_args(sub) -> None:
+    p = sub.add_parser(
+        "warmup",
+        help="build the compiled programs that generate and serve then load (once per model)",
+        description="Build the compiled programs of a model's fast path (with and without "
+                    "MTP) into the compile cache. `mtpkit generate` and `mtpkit serve` load "
+                    "them from then on; until they exist, both run the same programs "
+                    "uncompiled. Run it in the background on a fresh machine.",
+    )
+    p.add_argument("--model", help="checkpoint folder or .gguf file (default: the built-in model)")
+    p.add_argument("--head", help="an MTP head folder (from `mtpkit calibrate`) to use")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=1,
+                   help="the draft length to build for (default 1, as generate and serve)")
+    p.add_argument("--full-draft-vocab", action="store_true",
+                   help="build for drafting over the whole vocabulary")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
+    threads_arg(p)
+    p.set_defaults(func=_cmd_warmup)
+
+
+def _cmd_warmup(a) -> int:
+    from .engine.fast import unsupported_reason
+    from .engine.session import Session
+
+    if a.num_draft_tokens < 0:
+        raise ValueError(f"--num-draft-tokens must be >= 0, got {a.num_draft_tokens}")
+    t0 = time.perf_counter()
+    session = Session.load(a.model, head=a.head, device=a.device, dtype=a.dtype,
+                           full_draft_vocab=a.full_draft_vocab, compile="aoti")
+    fast = session.engine.fast
+    if fast is None:
+        reason = unsupported_reason(session.engine.model)
+        print(f"nothing to build: {session.name} runs on the eager engine ({reason})",
+              file=sys.stderr)
+        return 0
+    k = a.num_draft_tokens if fast.has_mtp else 0
+    fast.warmup(k)
+    if k:
+        fast.warmup(0)
+    st = fast.stats
+    print(f"compiled programs for {session.name}: {st.compiled} built, {st.loaded} already "
+          f"there, in {fast.cache_dir} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return 0
 
 
@@ -361,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mtpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_args(sub)
+    _warmup_args(sub)
     _calibrate_args(sub)
     _export_head_args(sub)
     _eval_args(sub)

@@ -70,7 +70,7 @@ def test_generate_compare_warns_when_the_cpu_is_busy(model_dir, capsys, monkeypa
 def test_generate_compiled_path_matches_eager(model_dir, capsys):
     """--compile (eager programs here: CI time) gives the text of the eager engine."""
     _, want, _ = _run(capsys, "generate", "def f(x):", "--model", str(model_dir), "--json",
-                      "--max-tokens", "24", "--ignore-eos")
+                      "--max-tokens", "24", "--ignore-eos", "--compile", "off")
     code, out, err = _run(capsys, "generate", "def f(x):", "--model", str(model_dir), "--json",
                           "--max-tokens", "24", "--ignore-eos", "--compile", "eager",
                           "--compare", "--draft-p-min", "0.3")
@@ -136,7 +136,8 @@ def test_stop_string_ends_output(model_dir, capsys):
         (["--max-tokens", "100000"], "exceeds the model's context"),
         (["--device", "cuda"], "no CUDA device"),
         (["--dtype", "int3"], "--dtype 'int3' is not one of"),
-        (["--draft-p-min", "0.5"], "--draft-p-min needs the compiled path"),
+        (["--draft-p-min", "0.5", "--compile", "off"], "--draft-p-min needs the fast path"),
+        (["--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1)"),
         (["--compile", "eager", "--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1)"),
         (["--draft-vocab-size", "8"], "--draft-vocab-size needs a head with a draft vocab"),
     ],

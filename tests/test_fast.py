@@ -497,3 +497,45 @@ def test_program_keys_tell_w8a8_from_w8a16(quantized_engines):
     a8, w8 = quantized_engines["w8a8-lm"].model, quantized_engines["w8a16-lm"].model
     assert torch.equal(a8.lm_head.codes, w8.lm_head.codes)
     assert model_fingerprint(Programs(a8, None)) != model_fingerprint(Programs(w8, None))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_forks_and_chunked_prompts_keep_the_tokens(name, engine_factory):
+    """A fork (a server slot) shares the programs but not the caches: two forks stepped in
+    turns (FastDecoder.steps, a step per next) each give the tokens of a lone run, a long
+    prompt run in pieces (a step each) included."""
+    engine = engine_factory(name)
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    a, b = dec.fork(), dec.fork()
+    assert a.programs is dec.programs and a._fns is dec._fns
+    assert a.kv[0] is not b.kv[0] and a.hk is not dec.hk
+    long_prompt = [(7 * i) % 90 + 1 for i in range(23)]
+    for k in (0, 2):
+        want = {"a": _eager(engine, PROMPTS[1], k)[0], "b": _eager(engine, long_prompt, k)[0]}
+        live = {"a": a.steps(PROMPTS[1], 24, k, eos_ids=set(), chunk=4),
+                "b": b.steps(long_prompt, 24, k, eos_ids=set(), chunk=5)}
+        got = {"a": [], "b": []}
+        empty = {"a": 0, "b": 0}
+        while live:  # alternate a step at a time: the caches must not mix
+            for key in list(live):
+                tokens = next(live[key], None)
+                if tokens is None:
+                    del live[key]
+                    continue
+                got[key] += tokens
+                empty[key] += not got[key]
+        assert got == want, f"k={k}"
+        # b's 23-token prompt: 5 pieces of trunk (and 5 of head catch-up with k), a step each.
+        assert empty["b"] == (9 if k else 4) and empty["a"] == (5 if k else 2)
+
+
+def test_auto_backend_runs_uncompiled_until_programs_exist(engine_factory, tmp_path):
+    """backend="auto" never builds: with nothing in the cache it runs the programs
+    uncompiled (the eager engine's tokens); it would load a built one by its key."""
+    engine = engine_factory("llama")
+    dec = FastDecoder(engine.model, backend="auto", max_len=128, cache_dir=tmp_path)
+    for k in (0, 2):
+        assert _fast(dec, PROMPTS[0], k)[0] == _eager(engine, PROMPTS[0], k)[0]
+    assert dec.stats.compiled == dec.stats.loaded == 0 and not list(tmp_path.iterdir())
+    path = dec._aoti_path("round", 3, 2)
+    assert path.parent == tmp_path and path.name.startswith("round-")

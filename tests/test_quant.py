@@ -1188,3 +1188,99 @@ def test_kernel_build_waits_for_a_live_builder(tmp_path):
         proc.communicate("")  # the builder finishes and exits
     t.join(10)
     assert entered.is_set()
+
+
+def test_lm_head_w8a16_under_a_w8a8_trunk(checkpoint_factory, tmp_path):
+    """`--lm-head w8a16` under a W8A8 trunk: the lm_head gets a config group of its own
+    (named, weights only), which outranks the trunk group's "Linear" target, so it loads
+    weight-only while the trunk keeps int8 activations; it runs like its dequantization."""
+    src = checkpoint_factory("llama_tied")
+    out = tmp_path / "q"
+    _quantize(src, out, "--scheme", "w8a8", "--lm-head", "w8a16")
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = list(qcfg["config_groups"].values())
+    assert groups[0]["targets"] == ["Linear"] and groups[0]["input_activations"]
+    assert groups[1]["targets"] == ["lm_head"] and not groups[1].get("input_activations")
+    q, _ = _load(out)
+    assert isinstance(q.model.lm_head, QuantLinear) and q.model.lm_head.act_quant is None
+    assert q.model.model.layers[0].mlp.down_proj.act_quant == "int8-token"
+    ref = _fake_quant_reference(src, q)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = ref.model.logits(ref.model(ids).hidden)
+        b = q.model.logits(q.model(ids).hidden)
+    assert (a - b).abs().max() < 2e-2 * a.abs().max()
+
+
+def _outlier_model(src, tmp_path):
+    # The tiny checkpoint with a few input channels of every layer's norms made large (the
+    # activation outliers real LLMs have, which per-token int8 handles badly).
+    dst = tmp_path / "outliers"
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    for name, t in tensors.items():
+        if name.endswith("layernorm.weight"):
+            t[:3] *= 40.0
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("alpha", ["0.5", "auto"])
+def test_smoothquant_keeps_the_function_and_cuts_w8a8_error(checkpoint_factory, tmp_path,
+                                                            alpha):
+    """--smooth: the smoothing factors alone leave the float model's logits as they were,
+    and the smoothed W8A8 copy is nearer the float model than the plain W8A8 copy on a
+    model with outlier channels; MTP stays lossless on it."""
+    from tiny import write_char_tokenizer
+
+    from mtpkit.quant.smooth import apply, input_maxima, smoothing
+
+    src = _outlier_model(checkpoint_factory("llama"), tmp_path)
+    write_char_tokenizer(src)
+    text = tmp_path / "calib.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. 0123456789 " * 40)
+    ref, _ = _load(src)
+    held_out = load_model(src).tokenizer.encode("a lazy dog jumps over the brown fox 987")
+    ids = torch.tensor([held_out])
+    with torch.no_grad():
+        want = ref.model.logits(ref.model(ids).hidden)
+        # The transform alone: the float model with every factor applied.
+        factors = smoothing(ref.model, input_maxima(ref.model, [ids]),
+                            None if alpha == "auto" else float(alpha))
+        assert factors
+        smoothed, _ = _load(src)
+        for name, f in factors.items():
+            t = smoothed.model.get_parameter(name)
+            t.data.copy_(apply(t.data, f))
+        got = smoothed.model.logits(smoothed.model(ids).hidden)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    _quantize(src, tmp_path / "plain", "--scheme", "w8a8")
+    _quantize(src, tmp_path / "smooth", "--scheme", "w8a8", "--smooth", alpha,
+              "--calib-data", str(text), "--calib-tokens", "512")
+    errs = {}
+    for name in ("plain", "smooth"):
+        q, _ = _load(tmp_path / name)
+        with torch.no_grad():
+            errs[name] = float((q.model.logits(q.model(ids).hidden) - want).square().mean())
+    assert errs["smooth"] < 0.7 * errs["plain"], errs
+    engine = Engine(q.model)
+    p = SamplingParams(max_tokens=16, ignore_eos=True)
+    assert list(engine.generate([3, 4, 5], p, 3)) == list(engine.generate([3, 4, 5], p, 0))
+
+
+def test_smooth_refuses_what_it_cannot_do(checkpoint_factory, tmp_path, capsys):
+    """--smooth on a weight-only scheme, without calibration text, or with a bad strength:
+    one clear error each, and nothing written."""
+    src = checkpoint_factory("llama")
+    text = tmp_path / "calib.txt"
+    text.write_text("abc " * 100)
+    cases = [(["--scheme", "w8a16", "--smooth", "0.5", "--calib-data", str(text)],
+              "int8 activations"),
+             (["--scheme", "w8a8", "--smooth", "0.5"], "--calib-data"),
+             (["--scheme", "w8a8", "--smooth", "x", "--calib-data", str(text)], "auto"),
+             (["--scheme", "w8a8", "--smooth", "1.5", "--calib-data", str(text)], "(0, 1)")]
+    for args, words in cases:
+        out = tmp_path / "q"
+        assert main(["quantize", "--model", str(src), "--out", str(out), *args]) == 2
+        assert words in capsys.readouterr().err
+        assert not out.exists()

@@ -567,15 +567,20 @@ def test_sigterm_under_load(C, ref):
 
 # -- in-process: the scheduler's turns and a failing engine -----------------------------------
 
-def _scheduler(ref: Reference, stats=None, **kw):
+def _scheduler(ref: Reference, stats=None, fast: bool = False, **kw):
+    from mtpkit.engine.fast import FastDecoder
     from mtpkit.serve.scheduler import Scheduler
 
     args = {"drafter": ref.engine.drafter, "num_draft_tokens": 3, "max_num_seqs": 4,
             "max_queue": 8, "max_model_len": 512, "prefill_chunk": 16, **kw}
+    if fast:
+        # What `mtpkit serve` gives greedy requests by default (uncompiled programs).
+        args["fast"] = FastDecoder(ref.model, backend="eager", max_len=512)
     return Scheduler(ref.model, ref.tok, stats=stats, **args)
 
 
-def test_long_prefill_is_interleaved_with_running_streams(ref):
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "fast"])
+def test_long_prefill_is_interleaved_with_running_streams(ref, fast):
     from mtpkit.serve.prometheus import ServeStats
     from mtpkit.serve.scheduler import Request
 
@@ -586,7 +591,7 @@ def test_long_prefill_is_interleaved_with_running_streams(ref):
             turns.append((worker.req.id, worker.req.completion_tokens))
             super().turn(worker)
 
-    sched = _scheduler(ref, Recording("t"))
+    sched = _scheduler(ref, Recording("t"), fast=fast)
     done = {"a": threading.Event(), "b": threading.Event()}
 
     texts = {"a": "", "b": ""}
@@ -597,8 +602,8 @@ def test_long_prefill_is_interleaved_with_running_streams(ref):
                 texts[rid] += ev[1]
             else:
                 done[rid].set()
-        return Request(rid, ref.ids(prompt), SamplingParams(max_tokens=n, ignore_eos=True),
-                       on_event)
+        return Request(rid, ref.ids(prompt), SamplingParams(max_tokens=n, ignore_eos=True,
+                                                            temperature=0), on_event)
 
     try:
         a = req("a", "short", 400)
@@ -623,15 +628,20 @@ def test_long_prefill_is_interleaved_with_running_streams(ref):
     want, _ = ref.run(b.prompt_ids, 12, 3, ignore_eos=True)
     assert texts["b"] == want and b.completion_tokens == 12 and b.finish_reason == "length"
     assert a.finish_reason == "abort"
+    if fast:
+        assert sum(s._fast is not None for s in sched._free) == 2  # both ran the fast path
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_concurrent_sequences_share_one_trunk_forward(ref, packed):
+@pytest.mark.parametrize("packed, fast", [(True, False), (False, False), (True, True)],
+                         ids=["packed", "alone", "fast"])
+def test_concurrent_sequences_share_one_trunk_forward(ref, packed, fast):
     """Running sequences verify, decode and prefill in one packed forward per step; each gets
-    the tokens of a single-request run (greedy and seeded sampling), whatever it runs beside."""
+    the tokens of a single-request run (greedy and seeded sampling), whatever it runs beside.
+    With the fast path, greedy requests run its programs (a slot's own caches) between the
+    sampled request's packed steps, with the same tokens."""
     from mtpkit.serve.scheduler import Request
 
-    sched = _scheduler(ref, packed=packed)
+    sched = _scheduler(ref, packed=packed, fast=fast)
     prompts = ["def f(x):", "import os\n", "a" * 40, "class A:\n    pass\n" * 3, "x"]
     temps = [0.0, 0.0, 0.0, 0.8, 0.0]
     done = {i: threading.Event() for i in range(len(prompts))}
@@ -656,7 +666,10 @@ def test_concurrent_sequences_share_one_trunk_forward(ref, packed):
     finally:
         sched.stop()
     assert sched.packed == packed
-    assert (sched.packed_steps > 10) == packed
+    # With the fast path only the one sampled request runs the eager engine: nothing to pack.
+    assert (sched.packed_steps > 10) == (packed and not fast)
+    if fast:
+        assert sum(s._fast is not None for s in sched._free) >= 3  # greedy slots forked
     for i, (p, t) in enumerate(zip(prompts, temps, strict=True)):
         want, _ = ref.run(ref.ids(p), 24, 3, ignore_eos=True, temperature=t, seed=7)
         assert texts[i] == want, p
@@ -665,8 +678,10 @@ def test_concurrent_sequences_share_one_trunk_forward(ref, packed):
 def test_engine_failure_gives_500_and_the_engine_goes_on(ref, model_dir):
     from mtpkit.serve.app import ServeConfig, ServerState, create_app
 
+    # The eager engine's failures (the fault is injected into its model; compile="off"
+    # keeps greedy requests off the fast path).
     state = ServerState(ServeConfig(model=str(model_dir), served_model_name=NAME,
-                                    num_draft_tokens=3, max_num_seqs=2))
+                                    num_draft_tokens=3, max_num_seqs=2, compile="off"))
     state._load()
     poison = ref.tok.encode("~")[0]
 
@@ -728,7 +743,8 @@ def test_health_loading_stall_and_disconnect(ref, model_dir):
     from mtpkit.serve.app import ServeConfig, ServerState, create_app
 
     state = ServerState(ServeConfig(model=str(model_dir), served_model_name=NAME,
-                                    num_draft_tokens=3, max_num_seqs=2, stall_timeout=0.3))
+                                    num_draft_tokens=3, max_num_seqs=2, stall_timeout=0.3,
+                                    compile="off"))
     app = create_app(state)
     gate, blocked = threading.Event(), threading.Event()
     slow = ref.tok.encode("^")[0]

@@ -39,6 +39,7 @@ engine.
 
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import json
@@ -61,7 +62,7 @@ from ..quant.kernels import source_digest as kernel_source_digest
 from ..quant.linear import QuantLinear, RowExactLinear, linear_rows, stack_outputs
 from .generate import Result, emit
 
-BACKENDS = ("aoti", "inductor", "eager")
+BACKENDS = ("auto", "aoti", "inductor", "eager")
 SPAN_STEP = 64  # attention reads the cache up to the next multiple of this
 QUANT_ROWS = 2  # trunk rows of every compiled step on quantized trunks: drafts k <= 1
 DEFAULT_MAX_LEN = 2048  # cache positions of a FastDecoder unless the model's context is shorter
@@ -690,10 +691,22 @@ class FastDecoder:
         self._fingerprint: str | None = None
         self._used: set[Path] = set()  # program files this decoder loaded or built
         self._noted_depth = False
-        cfg = model.config
-        dtype = model.model.norm.weight.dtype
         self.device = model.model.embed_tokens.weight.device
-        max_len = self.max_len = max(4, -(-max_len // SPAN_STEP)) * SPAN_STEP
+        self.max_len = max(4, -(-max_len // SPAN_STEP)) * SPAN_STEP
+        self._alloc_caches()
+        self._fns: dict[tuple, object] = {}
+        self._spans: dict[int, torch.Tensor] = {}
+
+    @property
+    def has_mtp(self) -> bool:
+        """True when the model has a head to draft with."""
+        return self.model.mtp is not None
+
+    def _alloc_caches(self) -> None:
+        # The decoder's own static caches (trunk and head), zeroed.
+        model, cfg = self.model, self.model.config
+        dtype = model.model.norm.weight.dtype
+        max_len = self.max_len
         # One spare step beyond the longest span: a span as long as the buffer would make
         # the narrowed view the whole buffer, a case compilers specialize on.
         shape = (1, cfg.num_key_value_heads, max_len + SPAN_STEP, cfg.head_dim)
@@ -707,10 +720,10 @@ class FastDecoder:
         # input tensor in place, where a view of a stacked buffer would be copied. Trunks
         # that run as one w8a8_trunk op are the exception: their steps take each cache list
         # as one tensor [layers, 1, Hkv, L, hd] that the op writes in place
-        # (w8a8_trunk_kv), 2 inputs where there were 60 for SmolLM2 (an AOTInductor call's
-        # ~40 us -> ~18 with its metadata evicted, Zen 5, session 29); kc and vc are then
-        # views of those (for eager calls: a compiled step given 60 views of one buffer ran
-        # ~100x slow). ``kv``: the caches as the compiled steps take them.
+        # (w8a8_trunk_kv): 2 inputs where there were 60 for SmolLM2, which halves an
+        # AOTInductor call's own overhead; kc and vc are then views of those (for eager
+        # calls: a compiled step given 60 views of one buffer ran far slower).
+        # ``kv``: the caches as the compiled steps take them.
         # (Programs.stacked_caches: whether every compiled trunk step is that one op.)
         layers = len(model.model.layers)
         if self.programs.stacked_caches and dtype == torch.float32:
@@ -726,13 +739,13 @@ class FastDecoder:
         self.hk = self.hv = None
         if model.mtp is not None:
             self.hk, self.hv = buf(), buf()
-        self._fns: dict[tuple, object] = {}
-        self._spans: dict[int, torch.Tensor] = {}
 
-    @property
-    def has_mtp(self) -> bool:
-        """True when the model has a head to draft with."""
-        return self.model.mtp is not None
+    def fork(self) -> FastDecoder:
+        """A decoder with caches of its own that shares this one's programs (a server slot:
+        sequences never share a cache, and every slot runs the same programs)."""
+        twin = copy.copy(self)
+        twin._alloc_caches()
+        return twin
 
     # -- programs --------------------------------------------------------------------------
     def span(self, need: int) -> torch.Tensor:
@@ -794,6 +807,11 @@ class FastDecoder:
 
     def _make(self, kind: str, t: int, k: int):
         step = _Step(self.programs, kind, k)
+        if self.backend == "auto":
+            # The compiled program where `mtpkit warmup` (or an earlier --compile aoti run)
+            # built it, else the same program uncompiled: no request waits on a build.
+            path = self._aoti_path(kind, t, k)
+            return self._load(path) if path.exists() else step
         if self.backend == "eager":
             return step
         # Built for the whole team (its key says so), whatever the load made it just now.
@@ -827,7 +845,8 @@ class FastDecoder:
         self.stats.compiled += dynamo_graphs() - before
         return fn
 
-    def _aoti(self, step, kind: str, t: int, k: int, example):
+    def _aoti_path(self, kind: str, t: int, k: int) -> Path:
+        # Where the AOTInductor package of a program lives (its key in the name).
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.programs)
         # Which kernels the program calls (mtpkit's, through their C entry points, or
@@ -835,7 +854,20 @@ class FastDecoder:
         # before it is loaded.
         shapes = f"T={t},L={self.max_len},dtype={self.kc[0].dtype},int8={kernel_choice()}"
         key = _build_key(self._fingerprint, kind, shapes, k, self.mode, self.programs.forms)
-        path = self.cache_dir / f"{kind}-{key}.pt2"
+        return self.cache_dir / f"{kind}-{key}.pt2"
+
+    def _load(self, path: Path):
+        # A built program from the cache.
+        try:
+            os.utime(path)  # its mtime is its last use, which the cache cap prunes by
+        except OSError:
+            pass  # a read-only cache is still usable; it only loses that ordering
+        self._used.add(path)
+        self.stats.loaded += 1
+        return _Loaded(torch._inductor.aoti_load_package(str(path)))
+
+    def _aoti(self, step, kind: str, t: int, k: int, example):
+        path = self._aoti_path(kind, t, k)
         if not path.exists():
             import sys
 
@@ -861,14 +893,8 @@ class FastDecoder:
             self.stats.compiled += 1
             self._used.add(path)
             prune_compiled(path.parent, cap, keep=self._used)
-        else:
-            try:
-                os.utime(path)  # its mtime is its last use, which the cache cap prunes by
-            except OSError:
-                pass  # a read-only cache is still usable; it only loses that ordering
-            self._used.add(path)
-            self.stats.loaded += 1
-        return _Loaded(torch._inductor.aoti_load_package(str(path)))
+            return _Loaded(torch._inductor.aoti_load_package(str(path)))
+        return self._load(path)
 
     def _lengths(self, k: int) -> list[int]:
         # Verify lengths a request with draft depth k may use.
@@ -917,6 +943,10 @@ class FastDecoder:
         return time.perf_counter() - t0
 
     # -- generation ------------------------------------------------------------------------
+    def fits(self, prompt_len: int, max_tokens: int, k: int) -> bool:
+        """Whether a request fits the static cache."""
+        return prompt_len + max_tokens + 2 * k + 2 <= self.max_len
+
     def check_length(self, prompt_len: int, max_tokens: int, k: int) -> None:
         """Raise ValueError when a request does not fit the static cache."""
         need = prompt_len + max_tokens + 2 * k + 2
@@ -927,79 +957,119 @@ class FastDecoder:
                 f"{self.max_len} (raise --max-model-len)"
             )
 
-    @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], k: int):
-        """Run the prompt (eagerly, any length); first token [1] and, with k, first drafts."""
+    def _prefill(self, prompt_ids: list[int], k: int, chunk: int | None = None):
+        """Run the prompt (eagerly, any length), ``chunk`` positions at a time, yielding
+        between pieces; returns the first token [1] and, with k, the first drafts."""
         pr, dev, n = self.programs, self.device, len(prompt_ids)
         ids = torch.tensor([prompt_ids], device=dev)
         pos = torch.arange(n, device=dev)
-        # Attend over the slots in use, not the whole buffer: a 50-token prompt against a
-        # 2,112-slot cache spent most of its time on masked keys (SmolLM2 w8a8: TTFT 420 ms
-        # here against 235 ms for the eager engine).
-        span = self.span(n)
-        post, pre = pr.trunk(ids, pos, self.kc, self.vc, span)
+        chunk = chunk or n
+        pieces = [(s, min(n, s + chunk)) for s in range(0, n, chunk)]
+        spec = self.model.mtp.spec if k else None
+        keep = []  # the states the head catch-up reads, piece by piece
+        for i, (s, e) in enumerate(pieces):
+            if i:
+                yield
+            # Attend over the slots in use, not the whole buffer: a short prompt against a
+            # long cache would spend most of its time on masked keys.
+            post, pre = pr.trunk(ids[:, s:e], pos[s:e], self.kc, self.vc, self.span(e))
+            if spec is not None:
+                keep.append(post if spec.trunk_hidden == "post_norm" else pre)
         first = pr.model.logits(post[:, -1]).argmax(-1)
         if not k:
             return first, None, None
-        spec = self.model.mtp.spec
-        hidden = post if spec.trunk_hidden == "post_norm" else pre
-        hpost, hpre = pr.head(torch.cat([ids[:, 1:], first[None]], 1), hidden, pos,
-                              self.hk, self.hv, span, zero_first=spec.zero_first_embedding)
+        hidden = torch.cat(keep, 1)
+        head_ids = torch.cat([ids[:, 1:], first[None]], 1)
+        for s, e in pieces:
+            if len(pieces) > 1:
+                yield
+            hpost, hpre = pr.head(head_ids[:, s:e], hidden[:, s:e], pos[s:e], self.hk, self.hv,
+                                  self.span(e), zero_first=spec.zero_first_embedding and s == 0)
         state = hpost if spec.chain_hidden == "post_norm" else hpre
-        drafts, probs = pr.chain(hpost[0, -1:], state[0, -1:],
-                                 torch.tensor([n], device=dev), self.hk, self.hv, k,
-                                 self.span(n + k))
+        drafts, probs = pr.chain(hpost[0, -1:], state[0, -1:], torch.tensor([n], device=dev),
+                                 self.hk, self.hv, k, self.span(n + k))
         return first, drafts, probs
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], k: int):
+        """Run the prompt in one piece; first token [1] and, with k, first drafts."""
+        gen = self._prefill(prompt_ids, k)
+        try:
+            while True:
+                next(gen)
+        except StopIteration as done:
+            return done.value
 
     def generate(self, prompt_ids: list[int], max_tokens: int, k: int = 0, result=None,
                  eos_ids: set[int] | None = None) -> Iterator[int]:
         """Greedy tokens after ``prompt_ids``; ``result`` (engine.generate.Result) receives
         finish reason and metrics as the eager engine fills them."""
+        steps = self.steps(prompt_ids, max_tokens, k, result, eos_ids)
+        return (t for tokens in steps for t in tokens)
+
+    def steps(self, prompt_ids: list[int], max_tokens: int, k: int = 0, result=None,
+              eos_ids: set[int] | None = None, chunk: int | None = None) -> Iterator[list[int]]:
+        """generate() a step at a time: each next() runs one step (a ``chunk``-position
+        piece of the prompt, a decode step or a round) and gives the tokens it emitted (none
+        for a prompt piece but the last). A server interleaves other sequences between."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         k = self.served_k(k) if self.has_mtp else 0
         self.check_length(len(prompt_ids), max_tokens, k)
         self.warmup(k)
         res = result if result is not None else Result()
-        return self._generate(prompt_ids, max_tokens, k, res, eos_ids or set())
+        return self._steps(prompt_ids, max_tokens, k, res, eos_ids or set(), chunk)
 
-    @torch.inference_mode()
-    def _generate(self, prompt_ids, max_tokens, k, res, eos_ids) -> Iterator[int]:
-        m = res.metrics
-        m.prompt_tokens = len(prompt_ids)
-        threads.tick()
-        t0 = time.perf_counter()
-        dev = self.device
-        first, drafts, probs = self.prefill(prompt_ids, k)
-        m.ttft_s = time.perf_counter() - t0
+    def _steps(self, prompt_ids, max_tokens, k, res, eos_ids, chunk) -> Iterator[list[int]]:
+        # Inference mode is entered per step, not around the generator: a server steps it
+        # from its own thread between other work.
+        with torch.inference_mode():
+            m = res.metrics
+            m.prompt_tokens = len(prompt_ids)
+            threads.tick()
+            t0 = time.perf_counter()
+            prefill = self._prefill(prompt_ids, k, chunk)
+            while True:
+                try:
+                    next(prefill)
+                except StopIteration as done:
+                    first, drafts, probs = done.value
+                    break
+                with torch.inference_mode(False):
+                    yield []
+            m.ttft_s = time.perf_counter() - t0
         at = len(prompt_ids)  # position of the pending token
         pending = first
         emitted = [int(first)]
+        dev = self.device
         while True:
-            yield from emit(emitted, res, eos_ids, max_tokens, t0)
+            out_tokens = list(emit(emitted, res, eos_ids, max_tokens, t0))
+            yield out_tokens
             if res.finish_reason is not None:
                 return
-            threads.tick()
-            if k == 0:
-                # Decode and round read the same span at a position (k <= 31), so a row's
-                # attention call is the same whichever step computes it.
-                nxt = self.program("decode")(pending.view(1, 1), torch.tensor([at], device=dev),
-                                             *self.kv, self.span(at + SPAN_STEP))
-                m.record(0, 0)
-                emitted = [int(nxt)]
-                at += 1
-                pending = nxt
-                continue
-            kk = k
-            if self.draft_p_min is not None:
-                ok = (probs >= self.draft_p_min).tolist()
-                kk = ok.index(False) if False in ok else k
-            t = kk + 1
-            tokens = torch.cat([pending.view(1), drafts[:kk]])[None]
-            out, probs = self.program("round", t, k)(
-                tokens, torch.tensor([at], device=dev), *self.kv, self.hk, self.hv,
-                self.span(at + max(SPAN_STEP, 2 * k + 2)))
-            vals = out.tolist()  # the one host read per round
+            with torch.inference_mode():
+                threads.tick()
+                if k == 0:
+                    # Decode and round read the same span at a position (k <= 31), so a
+                    # row's attention call is the same whichever step computes it.
+                    nxt = self.program("decode")(pending.view(1, 1),
+                                                 torch.tensor([at], device=dev), *self.kv,
+                                                 self.span(at + SPAN_STEP))
+                    m.record(0, 0)
+                    emitted = [int(nxt)]
+                    at += 1
+                    pending = nxt
+                    continue
+                kk = k
+                if self.draft_p_min is not None:
+                    ok = (probs >= self.draft_p_min).tolist()
+                    kk = ok.index(False) if False in ok else k
+                t = kk + 1
+                tokens = torch.cat([pending.view(1), drafts[:kk]])[None]
+                out, probs = self.program("round", t, k)(
+                    tokens, torch.tensor([at], device=dev), *self.kv, self.hk, self.hv,
+                    self.span(at + max(SPAN_STEP, 2 * k + 2)))
+                vals = out.tolist()  # the one host read per round
             n = vals[t]
             # Counted as the eager engine does: no more drafts than tokens still allowed.
             drafted = min(kk, max_tokens - m.generated_tokens - 1)
@@ -1034,7 +1104,7 @@ class _Loaded:
         return self._unflatten(self._run(flat), self._out)
 
 
-def enable_fast(engine, backend: str = "aoti", draft_p_min: float | None = None,
+def enable_fast(engine, backend: str = "auto", draft_p_min: float | None = None,
                 max_len: int | None = None, mode: str = "max-autotune") -> FastDecoder | None:
     """Give ``engine`` a FastDecoder for its greedy requests; None (with a note on stderr)
     when the model cannot take the fast path, which leaves the eager engine serving."""
@@ -1042,7 +1112,8 @@ def enable_fast(engine, backend: str = "aoti", draft_p_min: float | None = None,
 
     reason = unsupported_reason(engine.model)
     if reason is not None:
-        print(f"note: --compile ignored, {reason}; decoding eagerly", file=sys.stderr)
+        if backend != "auto":  # the default says nothing: the eager engine is its fallback
+            print(f"note: --compile ignored, {reason}; decoding eagerly", file=sys.stderr)
         return None
     if draft_p_min is not None and not 0.0 <= draft_p_min < 1.0:
         raise ValueError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")

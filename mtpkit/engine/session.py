@@ -31,11 +31,12 @@ class Session:
     @classmethod
     def load(
         cls, path=None, head=None, device: str = "cpu", dtype: str | None = None,
-        full_draft_vocab: bool = False, compile: str | None = None,
+        full_draft_vocab: bool = False, compile: str | None = "auto",
         draft_p_min: float | None = None, draft_vocab_size: int | None = None,
     ) -> Session:
         """Load a checkpoint folder or GGUF file (default: the built-in model) and tokenizer;
-        ``compile`` (aoti, inductor or eager) serves greedy requests through engine.fast."""
+        ``compile`` (auto, aoti, inductor or eager; None or "off" for none) serves greedy
+        requests through engine.fast (FastDecoder) where the model can take it."""
         if path is None:
             from ..builtin import builtin_head, builtin_trunk
 
@@ -60,7 +61,7 @@ class Session:
 
             enable_fast(engine, compile, draft_p_min=draft_p_min)
         elif draft_p_min is not None:
-            raise ValueError("--draft-p-min needs the compiled path: add --compile")
+            raise ValueError("--draft-p-min needs the fast path: drop --compile off")
         return cls(engine, loaded.tokenizer, str(path))
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:

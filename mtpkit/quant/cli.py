@@ -26,18 +26,25 @@ def add_parser(sub) -> None:
     p.add_argument("--mtp", choices=["keep", "same", "w8a16"], default="keep",
                    help="MTP head precision: keep as stored (default; BF16 heads keep their "
                         "acceptance), same as the trunk, or int8")
-    p.add_argument("--lm-head", choices=["keep", "same"], default="keep",
+    p.add_argument("--lm-head", choices=["keep", "same", "w8a16"], default="keep",
                    help="lm_head precision: keep as stored (default, what llm-compressor "
-                        "writes), or same as the trunk (int schemes; a tied lm_head is "
-                        "untied from the embedding). The lm_head is a fifth of a small "
-                        "model's weights; quantized it decodes faster and lets the compiled "
-                        "path run one-row steps")
+                        "writes), same as the trunk (int schemes), or int8 weights with "
+                        "float activations (w8a16: near-lossless); a tied lm_head is untied "
+                        "from the embedding. The lm_head is a fifth of a small model's "
+                        "weights; quantized it decodes faster and lets the compiled path run "
+                        "one-row steps")
+    p.add_argument("--smooth", metavar="ALPHA",
+                   help="w8a8/w4a8: move activation outliers into the weights first "
+                        "(SmoothQuant), fitted on --calib-data; the per-token int8 "
+                        "activations then lose far less. ALPHA: a strength in (0, 1), or "
+                        "auto: each layer's best of 0.3-0.8 on the calibration text")
     p.add_argument("--method", choices=["rtn", "gptq"], default="rtn",
                    help="rtn: round to nearest (default); gptq: error-compensated rounding "
                         "fitted on --calib-data")
-    p.add_argument("--calib-data", nargs="+", help="--method gptq: text files, folders or JSONL")
+    p.add_argument("--calib-data", nargs="+",
+                   help="--method gptq or --smooth: text files, folders or JSONL")
     p.add_argument("--calib-tokens", type=int, default=8192,
-                   help="--method gptq: calibration tokens (default 8192)")
+                   help="--method gptq or --smooth: calibration tokens (default 8192)")
     p.add_argument("--format", choices=["compressed-tensors", "gguf"],
                    default="compressed-tensors")
     p.add_argument("--gguf-type", choices=["Q8_0", "Q4_0", "Q4_K"], default="Q8_0",
@@ -69,19 +76,27 @@ def run(a) -> int:
         path = quantize_gguf(model, a.out, a.gguf_type, force=a.force)
         print(f"wrote {path} ({a.gguf_type})", file=sys.stderr)
         return 0
+    smooth = a.smooth
+    if smooth is not None and smooth != "auto":
+        try:
+            smooth = float(smooth)
+        except ValueError:
+            raise ValueError(f"--smooth takes a number in (0, 1) or auto, got {smooth!r}") from None
     group = a.group_size
     if group is None:
         group = {"w4a16": 128, "w4a8": 32}.get(a.scheme, 0)
     scheme = Scheme(a.scheme, group or None, symmetric=not a.asymmetric)
     rep = quantize_checkpoint(model, a.out, scheme, mtp=a.mtp, head=a.head, force=a.force,
                               method=a.method, calib_data=a.calib_data,
-                              calib_tokens=a.calib_tokens, lm_head=a.lm_head,
-                              log=lambda s: print(s, file=sys.stderr) if "GPTQ" in s else None)
+                              calib_tokens=a.calib_tokens, lm_head=a.lm_head, smooth=smooth,
+                              log=lambda s: print(s, file=sys.stderr)
+                              if s.startswith(("GPTQ", "SmoothQuant")) else None)
     print(f"wrote {rep.out}: {len(rep.quantized)} modules {a.scheme}"
           f"{f' g{group}' if group else ''}, {len(rep.kept)} kept unquantized "
           f"({len(rep.ignore)} ignore entries); {rep.bytes_in / 1e6:.1f} MB -> "
           f"{rep.bytes_out / 1e6:.1f} MB", file=sys.stderr)
-    if a.lm_head == "same" and "lm_head" not in rep.quantized:
-        print(f"note: the lm_head was kept unquantized: its shape does not fit {a.scheme}"
+    if a.lm_head != "keep" and "lm_head" not in rep.quantized:
+        print(f"note: the lm_head was kept unquantized: its shape does not fit "
+              f"{a.scheme if a.lm_head == 'same' else a.lm_head}"
               f"{f' g{group}' if group else ''}", file=sys.stderr)
     return 0

@@ -326,10 +326,22 @@ def _covering_group(module: str, qcfg: dict) -> tuple[str, dict] | None:
     module: the first whose targets match, unless the ignore list names it."""
     if _matches_any(module, qcfg.get("ignore") or []):
         return None
+    # compressed-tensors ranks matches: an exact name over a regex over the class name, so
+    # a group naming "lm_head" outranks one targeting every "Linear".
+    best = None
     for gname, group in (qcfg.get("config_groups") or {}).items():
-        if _matches_any(module, group.get("targets") or []):
-            return gname, group
-    return None
+        rank = _match_rank(module, group.get("targets") or [])
+        if rank is not None and (best is None or rank < best[0]):
+            best = (rank, gname, group)
+    return None if best is None else best[1:]
+
+
+def _match_rank(module: str, entries: list[str]) -> int | None:
+    # 0: exact name, 1: "re:" pattern, 2: class name; None: no match.
+    ranks = [0 if e == module else 1 if e.startswith("re:") and re.match(e[3:], module)
+             else 2 if e == "Linear" else None for e in entries]
+    ranks = [r for r in ranks if r is not None]
+    return min(ranks) if ranks else None
 
 
 def _matches_any(module: str, entries: list[str]) -> bool:

@@ -30,7 +30,7 @@ from .formats import quant_config_of, scan
 from .pack import Scheme, config_group, quantize_weight
 
 MTP_MODES = ("keep", "same", "w8a16")
-LM_HEAD_MODES = ("keep", "same")
+LM_HEAD_MODES = ("keep", "same", "w8a16")
 SHARD_BYTES = 2 << 30
 # Linear modules that combine the MTP head's inputs: vLLM builds them unquantized.
 _MTP_COMBINE = ("mtp.fc.",)
@@ -61,10 +61,13 @@ def quantize_checkpoint(
     calib_data: list[str] | None = None,
     calib_tokens: int = 8192,
     lm_head: str = "keep",
+    smooth: float | str | None = None,
 ) -> QuantizeReport:
     """Write ``model`` quantized with ``scheme`` as a compressed-tensors folder at ``out``;
     ``head`` (a `mtpkit calibrate` folder) is merged in as the checkpoint's own ``mtp.*``;
-    ``lm_head="same"`` quantizes the lm_head too (untied from the embedding if tied)."""
+    ``lm_head="same"`` quantizes the lm_head too (untied from the embedding if tied),
+    ``"w8a16"`` as int8 weights only; ``smooth``: SmoothQuant strength for schemes with
+    int8 activations (quant/smooth.py), fitted on ``calib_data``."""
     src, dst = Path(model).resolve(), Path(out).resolve()
     _check_paths(src, dst, force)
     if mtp not in MTP_MODES:
@@ -80,7 +83,7 @@ def quantize_checkpoint(
         from ..train.heads import WithHead
 
         ckpt = WithHead(ckpt, head)
-    if lm_head == "same":
+    if lm_head != "keep":
         ckpt = _untied(ckpt)
     if method not in ("rtn", "gptq"):
         raise ValueError(f"--method must be rtn or gptq, got {method!r}")
@@ -88,13 +91,26 @@ def quantize_checkpoint(
         raise ValueError("--method gptq needs calibration text: pass --calib-data FILES")
     if method == "gptq" and scheme.name == "fp8":
         raise ValueError("--method gptq applies to the int schemes (w4a16, w8a16, w8a8), not fp8")
+    if smooth is not None:
+        if scheme.input_args() is None:
+            raise ValueError(f"--smooth applies to schemes with int8 activations (w8a8, w4a8), "
+                             f"not {scheme.name}: drop it")
+        if not calib_data:
+            raise ValueError("--smooth needs calibration text: pass --calib-data FILES")
+        if method == "gptq":
+            raise ValueError("--smooth and --method gptq cannot be combined yet; pick one")
+        if smooth != "auto" and not 0.0 < float(smooth) < 1.0:
+            raise ValueError(f"--smooth must be in (0, 1) or auto, got {smooth}")
     layout = _Layout(ckpt)
+    if smooth is not None:
+        ckpt = _smoothed(src, head, ckpt, layout, smooth, calib_data, calib_tokens, log)
     mtp_scheme = {"keep": None, "same": scheme, "w8a16": Scheme("w8a16")}[mtp]
+    head_scheme = {"keep": None, "same": scheme, "w8a16": Scheme("w8a16")}[lm_head]
     report = QuantizeReport(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        plan = _plan(ckpt, layout, scheme, mtp_scheme, lm_head == "same")
+        plan = _plan(ckpt, layout, scheme, mtp_scheme, head_scheme)
         if isinstance(ckpt, _UntiedHead) and plan.get("lm_head") is None:
             # The scheme cannot take the lm_head's shape: it stays tied, not copied.
             ckpt = ckpt.ckpt
@@ -138,7 +154,8 @@ def quantize_checkpoint(
                 if isinstance(c, dict) and "tie_word_embeddings" in c:
                     c["tie_word_embeddings"] = False
         config["quantization_config"] = _quant_config(scheme, mtp_scheme, groups, report.ignore,
-                                                      layout.model_type, head_done)
+                                                      layout.model_type,
+                                                      head_scheme if head_done else None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         _copy_side_files(src, tmp)
@@ -209,9 +226,9 @@ class _Layout:
 
 
 def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None,
-          lm_head: bool = False) -> dict:
+          lm_head: Scheme | None = None) -> dict:
     """On-disk Linear module -> the scheme it is written in (None: kept as stored);
-    ``lm_head``: the lm_head too, in the trunk's scheme."""
+    ``lm_head``: the lm_head's scheme (None: kept)."""
     from ..checkpoint.runtime_names import runtime_module
 
     plan: dict[str, Scheme | None] = {}
@@ -220,10 +237,10 @@ def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None,
         if linear is None:
             continue
         prefix, is_mtp = linear
-        use = mtp_scheme if is_mtp else scheme
+        use = mtp_scheme if is_mtp else lm_head if name.startswith("lm_head.") else scheme
         shape = tuple(ckpt.get_tensor(name).shape) if not hasattr(ckpt, "tensor_shape") \
             else tuple(ckpt.tensor_shape(name))
-        if (use is None or (name.startswith("lm_head.") and not lm_head) or layout.is_combine(name)
+        if (use is None or layout.is_combine(name)
                 or len(shape) != 2 or not use.fits(*shape)):
             use = None
         plan[prefix] = use
@@ -241,21 +258,47 @@ def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None,
     return plan
 
 
-def _hessians(src, head, layout: _Layout, plan: dict, files, tokens: int, log) -> dict:
-    """Input statistics of every trunk Linear GPTQ will quantize, from the float model."""
+def _calibration(src, head, files, tokens: int, what: str):
+    # The float model and calibration batches of 256 tokens from files.
     from ..engine.loader import load_model
     from ..train.data import iter_chunks, list_files
-    from .gptq import collect_hessians
 
     loaded = load_model(src, head=head)
-    model = loaded.model
     if loaded.tokenizer is None:
-        raise ValueError(f"{src}: --method gptq needs the checkpoint's tokenizer")
+        raise ValueError(f"{src}: {what} needs the checkpoint's tokenizer")
     seq = 256
     chunks = iter_chunks(loaded.tokenizer, [str(f) for f in list_files(files)], seq)
     batches = [torch.tensor([c]) for c in itertools.islice(chunks, max(1, tokens // seq))]
     if not batches:
         raise ValueError("--calib-data yielded no text")
+    return loaded.model, batches
+
+
+@torch.inference_mode()
+def _smoothed(src, head, ckpt, layout: _Layout, alpha: float, files, tokens: int, log):
+    """The checkpoint with SmoothQuant factors fitted on the float model applied."""
+    from .smooth import Smoothed, input_maxima, smoothing
+
+    model, batches = _calibration(src, head, files, tokens, "--smooth")
+    log(f"SmoothQuant: activation maxima over {sum(b.numel() for b in batches)} tokens")
+    factors = smoothing(model, input_maxima(model, batches), None if alpha == "auto" else alpha)
+    on_disk = {}
+    for name in ckpt.tensor_names():
+        mapped = layout.model.map_checkpoint_name(name)
+        if mapped in factors:
+            on_disk[name] = factors[mapped]
+    if not on_disk:
+        warnings.warn("--smooth: no layer of this model can be smoothed (it needs RMSNorm + "
+                      "attention + SwiGLU layers); quantizing without", stacklevel=2)
+    return Smoothed(ckpt, on_disk)
+
+
+def _hessians(src, head, layout: _Layout, plan: dict, files, tokens: int, log) -> dict:
+    """Input statistics of every trunk Linear GPTQ will quantize, from the float model."""
+    from .gptq import collect_hessians
+
+    model, batches = _calibration(src, head, files, tokens, "--method gptq")
+    seq = batches[0].shape[1]
     # Model module path -> on-disk prefix, for the modules the plan quantizes (trunk only:
     # the head's inputs come from a separate pass; its modules use round-to-nearest).
     wanted = {}
@@ -279,21 +322,28 @@ def _ignore_list(kept: list[str], layout: _Layout, lm_head: bool = True) -> list
 
 
 def _quant_config(scheme, mtp_scheme, groups: dict, ignore: list[str], model_type,
-                  lm_head: bool = False) -> dict:
+                  head_scheme=None) -> dict:
+    """compressed-tensors quantization_config; ``head_scheme``: the quantized lm_head's."""
+    from ..checkpoint.runtime_names import runtime_module
+
     # A quantized lm_head is named as well as matched by class: vLLM builds it as a
     # ParallelLMHead, not a Linear, and matches its quantization by name.
-    cfg_groups = {"group_0": config_group(scheme, ["Linear", "lm_head"] if lm_head
-                                          else ["Linear"])}
+    same_head = head_scheme is not None and head_scheme.name == scheme.name
+    entries = [(scheme, ["Linear", "lm_head"] if same_head else ["Linear"])]
     if mtp_scheme is not None and mtp_scheme.name != scheme.name and groups.get(mtp_scheme.name):
         # Exact names outrank the class target in vLLM's and compressed-tensors' matching.
-        from ..checkpoint.runtime_names import runtime_module
-
-        names = sorted({runtime_module(m, model_type) for m in groups[mtp_scheme.name]})
-        cfg_groups["group_1"] = config_group(mtp_scheme, names)
-    formats = {scheme.format} | ({mtp_scheme.format} if "group_1" in cfg_groups else set())
-    if len(formats) > 1:
-        cfg_groups["group_0"]["format"] = scheme.format
-        cfg_groups["group_1"]["format"] = mtp_scheme.format
+        names = sorted({runtime_module(m, model_type) for m in groups[mtp_scheme.name]
+                        if m != "lm_head"})
+        entries.append((mtp_scheme, names))
+    if head_scheme is not None and not same_head:
+        entries.append((head_scheme, ["lm_head"]))
+    formats = {s.format for s, _ in entries}
+    cfg_groups = {}
+    for i, (sch, targets) in enumerate(entries):
+        group = config_group(sch, targets)
+        if len(formats) > 1:
+            group["format"] = sch.format
+        cfg_groups[f"group_{i}"] = group
     return {
         "quant_method": "compressed-tensors",
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",

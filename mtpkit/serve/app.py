@@ -47,6 +47,7 @@ class ServeConfig:
     max_model_len: int | None = None
     prefill_chunk: int = 256
     packed: bool = True  # one trunk forward per step over all running sequences
+    compile: str = "auto"  # how greedy requests run the fast path's programs (or "off")
     device: str = "cpu"
     dtype: str | None = None
     full_draft_vocab: bool = False
@@ -109,7 +110,7 @@ class ServerState:
         cfg = self.cfg
         t0 = time.perf_counter()
         session = Session.load(cfg.model, head=cfg.head, device=cfg.device, dtype=cfg.dtype,
-                               full_draft_vocab=cfg.full_draft_vocab)
+                               full_draft_vocab=cfg.full_draft_vocab, compile=cfg.compile)
         model, tok = session.engine.model, session.tokenizer
         if tok is None:
             raise ValueError(f"{session.name}: no tokenizer found; the server needs one")
@@ -124,13 +125,22 @@ class ServerState:
             k = 0
         self.tokenizer, self.vocab_size = tok, model.config.vocab_size
         self.max_model_len, self.num_draft_tokens = max_len, k
+        fast = session.engine.fast
+        if fast is not None:
+            fast.warmup(k)  # loaded (or built, --compile aoti) before the first request
         self.sched = Scheduler(
             model, tok, drafter=session.engine.drafter if k else None, num_draft_tokens=k,
             max_num_seqs=cfg.max_num_seqs, max_queue=cfg.max_queue, max_model_len=max_len,
-            prefill_chunk=cfg.prefill_chunk, stats=self.stats, packed=cfg.packed,
+            prefill_chunk=cfg.prefill_chunk, stats=self.stats, packed=cfg.packed, fast=fast,
         )
-        log.info("model %s loaded in %.1f s: %d draft tokens per step, %d slots, context %d",
-                 self.name, time.perf_counter() - t0, k, cfg.max_num_seqs, max_len)
+        how = "eager engine"
+        if fast is not None:
+            st = fast.stats
+            how = (f"greedy requests on the fast path ({st.loaded + st.compiled} compiled "
+                   "programs)" if st.loaded or st.compiled else
+                   "greedy requests on the fast path (uncompiled programs)")
+        log.info("model %s loaded in %.1f s: %d draft tokens per step, %d slots, context %d, "
+                 "%s", self.name, time.perf_counter() - t0, k, cfg.max_num_seqs, max_len, how)
 
     def begin_shutdown(self) -> None:
         """SIGTERM/SIGINT: refuse new requests now, abort those still running after the grace

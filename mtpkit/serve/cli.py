@@ -33,6 +33,11 @@ def add_parser(sub) -> None:
     p.add_argument("--no-packed", action="store_true",
                    help="run each sequence's trunk forward alone instead of one forward for "
                         "all running sequences per step (for comparison)")
+    p.add_argument("--compile", choices=["auto", "off", "aoti", "eager"], default="auto",
+                   help="greedy requests run the programs `mtpkit generate` runs (auto, the "
+                        "default: compiled where `mtpkit warmup` built them, else uncompiled; "
+                        "aoti: build any missing before serving; eager: never compiled; off: "
+                        "every request on the eager engine)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
     p.add_argument("--full-draft-vocab", action="store_true",
@@ -57,7 +62,8 @@ def _cmd_serve(a) -> int:
         model=a.model, head=a.head, served_model_name=a.served_model_name,
         num_draft_tokens=a.num_draft_tokens, host=a.host, port=a.port, api_key=a.api_key,
         max_num_seqs=a.max_num_seqs, max_queue=a.max_queue, max_model_len=a.max_model_len,
-        prefill_chunk=a.prefill_chunk, packed=not a.no_packed, device=a.device, dtype=a.dtype,
+        prefill_chunk=a.prefill_chunk, packed=not a.no_packed, compile=a.compile,
+        device=a.device, dtype=a.dtype,
         full_draft_vocab=a.full_draft_vocab, stall_timeout=a.stall_timeout,
         shutdown_timeout=a.shutdown_timeout, log_level=a.log_level,
     )

@@ -126,16 +126,35 @@ class _Slot:
     """One engine over the shared model: its own caches, its own view of the model."""
 
     def __init__(self, index: int, model, tokenizer, max_model_len: int,
-                 drafter: MTPDrafter | None, chunk: int) -> None:
+                 drafter: MTPDrafter | None, chunk: int, fast=None) -> None:
         self.index = index
         self.model = _TurnModel(model, chunk)
         self.engine = Engine(self.model, tokenizer, max_model_len)
+        self._fast_source = fast
+        self._fast = None
         self.drafter = None
         if drafter is not None:
             # Share the loaded drafter's draft-vocabulary weights; only the model it calls
             # changes (the slot's proxy, so that MTP catch-up passes are scheduled too).
             self.drafter = copy.copy(drafter)
             self.drafter.model = self.model
+
+    @property
+    def has_fast(self) -> bool:
+        """Whether greedy requests in this slot can take the fast path."""
+        return self._fast_source is not None
+
+    def fits(self, prompt_len: int, max_tokens: int, k: int) -> bool:
+        """Whether a request fits the fast path's cache."""
+        return self._fast_source.fits(prompt_len, max_tokens, k)
+
+    @property
+    def fast(self):
+        """The slot's FastDecoder (the server's programs, the slot's own caches), made on
+        the first greedy request it serves; None when the model has none."""
+        if self._fast is None and self._fast_source is not None:
+            self._fast = self._fast_source.fork()
+        return self._fast
 
 
 class _Worker:
@@ -157,6 +176,14 @@ class _Worker:
         self.job_out: TrunkOutput | Exception | None = None
         self.thread = threading.Thread(target=self._main, daemon=True,
                                        name=f"mtpkit-slot-{slot.index}")
+
+    def start(self) -> None:
+        """Begin decoding (its thread waits for the baton)."""
+        self.thread.start()
+
+    def finished(self) -> None:
+        """After the request's last turn."""
+        self.thread.join()
 
     # -- called in the worker thread ------------------------------------------------------
     def before_unit(self, tokens: int, trunk: bool) -> None:
@@ -259,6 +286,74 @@ class _Worker:
         return "stop" if stream.stopped else (self.result.finish_reason or "stop")
 
 
+class _FastWorker(_Worker):
+    """A greedy request on the fast path, stepped by the engine thread itself, a step a
+    turn (FastDecoder.steps): no thread of its own. All fast-path model work then runs in
+    that one thread, whose OpenMP team stays warm; a team per slot thread made libgomp
+    throttle every team's spinning (more pool threads than CPUs), which cost more than a
+    third of the speed."""
+
+    def __init__(self, sched: Scheduler, slot: _Slot, req: Request) -> None:
+        super().__init__(sched, slot, req)
+        self.steps = None
+        self.stream = TextStream(sched.tokenizer, req.params.stop)
+
+    def start(self) -> None:
+        """Nothing to start: the engine thread calls turn()."""
+
+    def finished(self) -> None:
+        """Nothing to join."""
+
+    def turn(self) -> None:
+        """One step of the request (its first turn starts it), in the engine thread."""
+        req, sched = self.req, self.sched
+        final = None
+        try:
+            if req.aborted:
+                raise Aborted
+            if self.steps is None:
+                eos = set() if req.params.ignore_eos else set(sched.tokenizer.eos_token_ids)
+                self.steps = self.slot.fast.steps(
+                    req.prompt_ids, req.params.max_tokens, sched.num_draft_tokens,
+                    result=self.result, eos_ids=eos, chunk=sched.prefill_chunk)
+            tokens = next(self.steps, None)
+            for token in tokens or ():
+                if req.first_token_at is None:
+                    req.first_token_at = time.monotonic()
+                req.completion_tokens += 1
+                self.text += self.stream.push(token)
+                if self.stream.stopped:
+                    break
+            if self.stream.stopped or tokens is None or self.result.finish_reason is not None:
+                self.text += self.stream.flush()
+                req.finish_reason = ("stop" if self.stream.stopped
+                                     else (self.result.finish_reason or "stop"))
+                final = ("done", req.finish_reason)
+            self._flush()
+        except Aborted:
+            req.finish_reason = "abort"
+            final = ("aborted", req.abort_reason)
+        except Exception as e:
+            log.exception("request %s failed in the engine", req.id)
+            req.finish_reason = "error"
+            final = ("error", f"internal error in the engine: {type(e).__name__}: {e}")
+        if final is None:
+            self._account()
+            return
+        try:
+            if self.steps is not None:
+                self.steps.close()
+            req.finished_at = time.monotonic()
+            self._account()
+            if sched.stats is not None:
+                sched.stats.finished(req)
+            self._post(final)
+        except Exception:
+            log.exception("request %s: cleanup failed", req.id)
+        finally:
+            self.done = True
+
+
 @dataclass
 class _Seen:
     """What a worker's counters stood at when last accounted (for per-turn deltas)."""
@@ -305,7 +400,7 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, *, drafter: MTPDrafter | None, num_draft_tokens: int,
                  max_num_seqs: int, max_queue: int, max_model_len: int, prefill_chunk: int,
-                 stats=None, packed: bool = True) -> None:
+                 stats=None, packed: bool = True, fast=None) -> None:
         self.tokenizer = tokenizer
         self.model = model
         # One trunk forward per step for all running sequences (each verifying its own
@@ -317,7 +412,10 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_model_len = max_model_len
         self.stats = stats
-        self._free = [_Slot(i, model, tokenizer, max_model_len, drafter, prefill_chunk)
+        # ``fast``: a FastDecoder whose programs serve the greedy requests (each slot forks
+        # caches of its own from it); sampled requests run the eager engine.
+        self.fast = fast
+        self._free = [_Slot(i, model, tokenizer, max_model_len, drafter, prefill_chunk, fast)
                       for i in range(max_num_seqs)]
         self._waiting: deque[Request] = deque()
         self._running: list[_Worker] = []
@@ -418,12 +516,15 @@ class Scheduler:
                 threads.tick()
                 self._run_jobs()  # a new round: every sequence's pending trunk work at once
             w = self._running[turn]
-            w.go.release()
-            self._back.acquire()
+            if isinstance(w, _FastWorker):
+                w.turn()
+            else:
+                w.go.release()
+                self._back.acquire()
             self.heartbeat = time.monotonic()
             self.turns += 1
             if w.done:
-                w.thread.join()
+                w.finished()
                 with self._cv:
                     self._running.pop(turn)
                     self._free.append(w.slot)
@@ -460,8 +561,17 @@ class Scheduler:
         while self._free and self._waiting:
             req = self._waiting.popleft()
             req.admitted_at = time.monotonic()
-            w = _Worker(self, self._free.pop(), req)
+            slot = self._free.pop()
+            kind = _FastWorker if self._fast_fits(slot, req) else _Worker
+            w = kind(self, slot, req)
             self._running.append(w)
             if self.stats is not None:
                 self.stats.admitted(req)
-            w.thread.start()
+            w.start()
+
+    def _fast_fits(self, slot: _Slot, req: Request) -> bool:
+        # Greedy requests that fit the fast path's cache take it; the rest run the eager
+        # engine (sampling, longer contexts).
+        return (req.params.greedy and slot.has_fast
+                and slot.fits(len(req.prompt_ids), req.params.max_tokens,
+                              self.num_draft_tokens))
