@@ -445,13 +445,18 @@ def test_quantized_compiled_programs_stay_exact(quantized_engines, capsys):
 def test_row_exact_compiled_programs_stay_exact_at_any_depth(quantized_engines, scheme):
     """Compiled programs of a row-exact trunk (W8A8 or W4A8 with its lm_head quantized, or
     fp32: every GEMM one of mtpkit's kernels) decode one row per step and verify k+1 rows
-    per round with the compiled k = 0 tokens at every k, and draft as deep as asked."""
+    per round with the compiled k = 0 tokens at every k, which the same programs
+    uncompiled give too, and draft as deep as asked."""
     engine = quantized_engines[scheme]
     dec = FastDecoder(engine.model, backend="inductor", mode="max-autotune", max_len=128)
+    uncompiled = FastDecoder(engine.model, backend="eager", max_len=128)
     assert dec.programs.row_exact and dec.programs.rows is None
     dec.check_draft(3)  # no depth limit
     for prompt in PROMPTS:
         want, _ = _fast(dec, prompt, 0)
+        # One checkpoint, one output: the programs compiled or not (what --compile auto
+        # switches between once `mtpkit warmup` has built them).
+        assert _fast(uncompiled, prompt, 0)[0] == want, prompt
         for k in (1, 3):
             got, res = _fast(dec, prompt, k)
             assert got == want, f"k={k} prompt={prompt}"

@@ -390,6 +390,13 @@ class Programs(nn.Module):
                                and forms.layer and emb.device.type == "cpu"
                                and emb.dtype == torch.float32
                                and all(b.self_attn.q_norm is None for b in layers))
+        # Rotary tables for the positions a decoder uses (set_positions): every step reads
+        # them by index, so uncompiled and compiled programs rotate with the same bits
+        # (computed in the graph, cos/sin came out of inductor's vector math a few ulps
+        # away from torch's, and W8A8 trunks' int8 activations turned that into other
+        # tokens).
+        self.register_buffer("rope_cos", None)
+        self.register_buffer("rope_sin", None)
         self.register_buffer("vocab", None)
         if model.mtp is not None and draft_vocab is not None and len(draft_vocab):
             dev = model.model.embed_tokens.weight.device
@@ -405,6 +412,20 @@ class Programs(nn.Module):
                 if isinstance(q, QuantLinear):
                     q(torch.zeros(1, q.in_features, dtype=q.dtype, device=q.scale.device))
 
+    def set_positions(self, n: int) -> None:
+        """Tabulate the rotary cos/sin of positions 0..n-1 (steps must stay below n)."""
+        if self.rope_cos is not None and len(self.rope_cos) >= n:
+            return
+        rot = self.model.rotary
+        with torch.no_grad(), torch.inference_mode(False):
+            cos, sin = rot.cos_sin(torch.arange(n, device=rot.inv_freq.device))
+        self.rope_cos, self.rope_sin = cos.contiguous(), sin.contiguous()
+
+    def _cos_sin(self, pos):
+        if self.rope_cos is None:
+            return self.model.rotary.cos_sin(pos)
+        return self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
+
     def trunk(self, ids, pos, kc, vc, span=None, rows: int | None = None):
         """Trunk states (after, before the final norm) [1, T, D] of tokens [1, T] at pos;
         attention reads the first len(span) cache slots (all without a span); ``rows``:
@@ -412,7 +433,7 @@ class Programs(nn.Module):
         cache a layer, or each stacked in one tensor (FastDecoder.kv)."""
         m = self.model
         mask = _mask(pos, _span(span, kc[0]), self.groups)
-        cos, sin = m.rotary.cos_sin(pos)
+        cos, sin = self._cos_sin(pos)
         x = m.model.embed_tokens(ids)
         layers = m.model.layers
         if (self.w8a8_trunk and all(self.w8a8_blocks)
@@ -441,7 +462,7 @@ class Programs(nn.Module):
             emb = torch.cat([torch.zeros_like(emb[:, :1]), emb[:, 1:]], dim=1)
         e, h = mtp.pre_fc_norm_embedding(emb), mtp.pre_fc_norm_hidden(hidden)
         x = mtp.fc(torch.cat([e, h] if mtp.spec.emb_first else [h, e], dim=-1))
-        cos, sin = m.rotary.cos_sin(pos)
+        cos, sin = self._cos_sin(pos)
         x = _block(mtp.layers[0], x, cos, sin, hk, hv, pos,
                    _mask(pos, _span(span, hk), self.groups))
         return mtp.norm(x), x
@@ -693,6 +714,7 @@ class FastDecoder:
         self._noted_depth = False
         self.device = model.model.embed_tokens.weight.device
         self.max_len = max(4, -(-max_len // SPAN_STEP)) * SPAN_STEP
+        self.programs.set_positions(self.max_len + SPAN_STEP)
         self._alloc_caches()
         self._fns: dict[tuple, object] = {}
         self._spans: dict[int, torch.Tensor] = {}
