@@ -504,34 +504,63 @@ def test_program_keys_tell_w8a8_from_w8a16(quantized_engines):
     assert model_fingerprint(Programs(a8, None)) != model_fingerprint(Programs(w8, None))
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_forks_and_chunked_prompts_keep_the_tokens(name, engine_factory):
-    """A fork (a server slot) shares the programs but not the caches: two forks stepped in
-    turns (FastDecoder.steps, a step per next) each give the tokens of a lone run, a long
-    prompt run in pieces (a step each) included."""
-    engine = engine_factory(name)
+def _lockstep(dec: FastDecoder, gens: dict) -> tuple[dict, dict]:
+    """Advance several generations (FastDecoder.steps) together, as the server does: each to
+    its next program call, then all calls in one FastDecoder.run_many."""
+    from mtpkit.engine.fast import PIECE, Step
+
+    got = {key: [] for key in gens}
+    pieces = dict.fromkeys(gens, 0)
+    results: dict = {}
+    live = dict(gens)
+    while live:
+        calls = {}
+        for key in list(live):
+            item = live[key].send(results.pop(key)) if key in results else next(live[key], None)
+            while item is not None and not isinstance(item, Step) and item is not PIECE:
+                got[key] += item
+                item = next(live[key], None)
+            if item is None:
+                del live[key]
+            elif item is PIECE:
+                pieces[key] += 1
+            else:
+                calls[key] = item
+        if calls:
+            for key, out in zip(calls, dec.run_many(list(calls.values())), strict=True):
+                results[key] = out
+    return got, pieces
+
+
+SCHEMES_BATCHED = ["llama", "qwen3", "w8a8-lm", "fp32"]
+
+
+@pytest.mark.parametrize("name", SCHEMES_BATCHED)
+def test_forks_stepped_together_keep_each_sequences_tokens(name, engine_factory,
+                                                           quantized_engines):
+    """Forks (server slots) share the programs but not the caches. Three generations
+    advanced together, their decode steps and rounds run as one trunk pass
+    (FastDecoder.run_many), each give the tokens of a lone run, a prompt run in pieces
+    included; and a row's bits do not depend on the rows beside it, so the tokens equal
+    the eager engine's too (fp32) or the lone fast path's (W8A8)."""
+    engine = quantized_engines[name] if name in quantized_engines else engine_factory(name)
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
-    a, b = dec.fork(), dec.fork()
-    assert a.programs is dec.programs and a._fns is dec._fns
-    assert a.kv[0] is not b.kv[0] and a.hk is not dec.hk
+    assert dec.programs.batchable
+    forks = [dec.fork() for _ in range(3)]
+    assert forks[0].programs is dec.programs and forks[0]._fns is dec._fns
+    assert forks[0].kv[0] is not forks[1].kv[0] and forks[0].hk is not dec.hk
     long_prompt = [(7 * i) % 90 + 1 for i in range(23)]
-    for k in (0, 2):
-        want = {"a": _eager(engine, PROMPTS[1], k)[0], "b": _eager(engine, long_prompt, k)[0]}
-        live = {"a": a.steps(PROMPTS[1], 24, k, eos_ids=set(), chunk=4),
-                "b": b.steps(long_prompt, 24, k, eos_ids=set(), chunk=5)}
-        got = {"a": [], "b": []}
-        empty = {"a": 0, "b": 0}
-        while live:  # alternate a step at a time: the caches must not mix
-            for key in list(live):
-                tokens = next(live[key], None)
-                if tokens is None:
-                    del live[key]
-                    continue
-                got[key] += tokens
-                empty[key] += not got[key]
-        assert got == want, f"k={k}"
-        # b's 23-token prompt: 5 pieces of trunk (and 5 of head catch-up with k), a step each.
-        assert empty["b"] == (9 if k else 4) and empty["a"] == (5 if k else 2)
+    prompts = [PROMPTS[1], long_prompt, PROMPTS[0]]
+    for k in (0, 1, 3):
+        want = [_fast(dec, p, k)[0] for p in prompts]
+        gens = {i: f.steps(p, 24, k, eos_ids=set(), chunk=5)
+                for i, (f, p) in enumerate(zip(forks, prompts, strict=True))}
+        got, pieces = _lockstep(dec, gens)
+        assert [got[i] for i in range(3)] == want, f"k={k}"
+        # The 23-token prompt: 5 trunk pieces (and 5 of head catch-up with k), a step each.
+        assert pieces[1] == (9 if k else 4)
+    if name in ("llama", "qwen3"):
+        assert want == [_eager(engine, p, 3)[0] for p in prompts]
 
 
 def test_auto_backend_runs_uncompiled_until_programs_exist(engine_factory, tmp_path):

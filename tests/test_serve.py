@@ -666,8 +666,9 @@ def test_concurrent_sequences_share_one_trunk_forward(ref, packed, fast):
     finally:
         sched.stop()
     assert sched.packed == packed
-    # With the fast path only the one sampled request runs the eager engine: nothing to pack.
-    assert (sched.packed_steps > 10) == (packed and not fast)
+    # With the fast path the greedy requests' steps share one trunk pass (the sampled
+    # request runs the eager engine alone).
+    assert (sched.packed_steps > 10) == (packed or fast)
     if fast:
         assert sum(s._fast is not None for s in sched._free) >= 3  # greedy slots forked
     for i, (p, t) in enumerate(zip(prompts, temps, strict=True)):

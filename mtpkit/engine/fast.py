@@ -537,12 +537,17 @@ class Programs(nn.Module):
         """Greedy speculative round over tokens [1, T] = [pending, drafts] at pos0 [1].. ->
         (out [T + 1 + k]: target argmaxes, accept count n, next drafts; probs [k])."""
         t = tokens.shape[1]
-        spec = self.model.mtp.spec
         padded = self._pad(tokens)
         pos = pos0 + torch.arange(padded.shape[1], device=tokens.device)
         post, pre = self.trunk(padded, pos, kc, vc, span, t if self.rowwise else None)
         target = argmax_rows(self.logits(post[0]))[:t]  # [T]
-        post, pre, pos = post[:, :t], pre[:, :t], pos[:t]
+        return self._round_head(tokens, pos0, post[:, :t], pre[:, :t], target, hk, hv, span, k)
+
+    def _round_head(self, tokens, pos0, post, pre, target, hk, hv, span, k: int):
+        # A round after its trunk pass: accept, catch the head up, draft the next k.
+        t = tokens.shape[1]
+        spec = self.model.mtp.spec
+        pos = pos0 + torch.arange(t, device=tokens.device)
         # n = length of the run of drafts equal to the target's choice.
         n = torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)
         # Head catch-up over all T positions with the target's tokens; row n is what the
@@ -553,6 +558,61 @@ class Programs(nn.Module):
         drafts, ps = self.chain(hpost[0].index_select(0, n), chain_state[0].index_select(0, n),
                                 pos0 + n + 1, hk, hv, k, span)
         return torch.cat([target, n, drafts]), ps
+
+    # several sequences at once (uncompiled): a server's step ---------------------------
+    @property
+    def batchable(self) -> bool:
+        """Whether several sequences' steps can share one trunk pass with each row's bits
+        those of its sequence alone: every GEMM row-exact, natural row counts."""
+        layers = self.model.model.layers
+        return self.row_exact and not any(b.self_attn.output_gate for b in layers)
+
+    def trunk_rows(self, seqs):
+        """The trunk over several sequences' rows in one pass: seqs = [(ids [1, T], pos [T],
+        kc, vc, span)], each attending over its own caches, every GEMM and norm once over
+        all rows -> [(post, pre)] a sequence. Row-exact kernels give each row the bits
+        its sequence's own step gives (the fused W8A8 ops give those of the GEMMs apart)."""
+        m = self.model
+        sizes = [ids.shape[1] for ids, *_ in seqs]
+        x = m.model.embed_tokens(torch.cat([ids for ids, *_ in seqs], 1))
+        rope = [self._cos_sin(pos) for _, pos, *_ in seqs]
+        masks = [_mask(pos, _span(span, kc[0]), self.groups) for _, pos, kc, _, span in seqs]
+        for i, layer in enumerate(m.model.layers):
+            f = None if self.fused is None else self.fused[i]
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            if f is not None and "qkv" in f:
+                qkv = f["qkv"](h)
+            else:
+                qkv = torch.cat([_lin(f, n, getattr(attn, n))(h)
+                                 for n in ("q_proj", "k_proj", "v_proj")], -1)
+            heads = [_attention(attn, None, cos, sin, kc[i], vc[i], pos, mask, part.shape[1],
+                                qkv=part, project=False)
+                     for (_, pos, kc, vc, _), (cos, sin), mask, part
+                     in zip(seqs, rope, masks, qkv.split(sizes, 1), strict=True)]
+            x = x + _lin(f, "o_proj", attn.o_proj)(torch.cat(heads, 1))
+            x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x), f)
+        post = m.model.norm(x)
+        return list(zip(post.split(sizes, 1), x.split(sizes, 1), strict=True))
+
+    def decode_many(self, items):
+        """decode() of several sequences, items = [(token [1, 1], pos [1], kc, vc, span)]
+        -> [next token [1]]."""
+        states = self.trunk_rows(items)
+        picks = argmax_rows(self.logits(torch.cat([p for p, _ in states], 1)[0]))
+        return list(picks.split(1))
+
+    def round_many(self, items, k: int):
+        """round() of several sequences, items = [(tokens, pos0, kc, vc, hk, hv, span)],
+        with one trunk pass -> [(out, probs)]."""
+        seqs = [(tokens, pos0 + torch.arange(tokens.shape[1], device=tokens.device), kc, vc,
+                 span) for tokens, pos0, kc, vc, _, _, span in items]
+        states = self.trunk_rows(seqs)
+        targets = argmax_rows(self.logits(torch.cat([p for p, _ in states], 1)[0]))
+        targets = targets.split([tokens.shape[1] for tokens, *_ in items])
+        return [self._round_head(tokens, pos0, post, pre, target, hk, hv, span, k)
+                for (tokens, pos0, _, _, hk, hv, span), (post, pre), target
+                in zip(items, states, targets, strict=True)]
 
 
 class _Step(nn.Module):
@@ -1027,13 +1087,54 @@ class FastDecoder:
         """Greedy tokens after ``prompt_ids``; ``result`` (engine.generate.Result) receives
         finish reason and metrics as the eager engine fills them."""
         steps = self.steps(prompt_ids, max_tokens, k, result, eos_ids)
-        return (t for tokens in steps for t in tokens)
+        return self._drive(steps)
+
+    def _drive(self, steps) -> Iterator[int]:
+        # Run a generation's program calls one by one, yielding its tokens.
+        item = next(steps, None)
+        while item is not None:
+            if isinstance(item, Step):
+                item = steps.send(self.run(item))
+                continue
+            if item is not PIECE:
+                yield from item
+            item = next(steps, None)
+
+    @torch.inference_mode()
+    def run(self, step: Step):
+        """One program call a generation asked for."""
+        return self.program(step.kind, step.t, step.k)(*step.args)
+
+    @torch.inference_mode()
+    def run_many(self, steps: list[Step]) -> list:
+        """Program calls of several generations (forks of this decoder) at once: decode
+        steps together and rounds of one draft depth together, each group one trunk pass
+        (Programs.decode_many / round_many, uncompiled); a lone call runs its program."""
+        out: list = [None] * len(steps)
+        groups: dict[tuple, list[int]] = {}
+        for i, st in enumerate(steps):
+            groups.setdefault((st.kind, st.k), []).append(i)
+        pr = self.programs
+        for (kind, k), idx in groups.items():
+            if len(idx) == 1 or not pr.batchable:
+                for i in idx:
+                    out[i] = self.run(steps[i])
+                continue
+            threads.tick()
+            if kind == "decode":
+                got = pr.decode_many([steps[i].args for i in idx])
+            else:
+                got = pr.round_many([steps[i].args for i in idx], k)
+            for i, g in zip(idx, got, strict=True):
+                out[i] = g
+        return out
 
     def steps(self, prompt_ids: list[int], max_tokens: int, k: int = 0, result=None,
-              eos_ids: set[int] | None = None, chunk: int | None = None) -> Iterator[list[int]]:
-        """generate() a step at a time: each next() runs one step (a ``chunk``-position
-        piece of the prompt, a decode step or a round) and gives the tokens it emitted (none
-        for a prompt piece but the last). A server interleaves other sequences between."""
+              eos_ids: set[int] | None = None, chunk: int | None = None):
+        """generate() a step at a time. Each next() or send() gives one of: a list of the
+        tokens just emitted; PIECE, after a ``chunk``-position piece of the prompt; or a
+        Step, a program call whose result the caller sends back (run, or run_many for
+        several generations at once). A server interleaves other sequences between."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         k = self.served_k(k) if self.has_mtp else 0
@@ -1042,7 +1143,7 @@ class FastDecoder:
         res = result if result is not None else Result()
         return self._steps(prompt_ids, max_tokens, k, res, eos_ids or set(), chunk)
 
-    def _steps(self, prompt_ids, max_tokens, k, res, eos_ids, chunk) -> Iterator[list[int]]:
+    def _steps(self, prompt_ids, max_tokens, k, res, eos_ids, chunk):
         # Inference mode is entered per step, not around the generator: a server steps it
         # from its own thread between other work.
         with torch.inference_mode():
@@ -1051,47 +1152,47 @@ class FastDecoder:
             threads.tick()
             t0 = time.perf_counter()
             prefill = self._prefill(prompt_ids, k, chunk)
-            while True:
+        while True:
+            with torch.inference_mode():
                 try:
                     next(prefill)
                 except StopIteration as done:
                     first, drafts, probs = done.value
                     break
-                with torch.inference_mode(False):
-                    yield []
-            m.ttft_s = time.perf_counter() - t0
+            yield PIECE
+        m.ttft_s = time.perf_counter() - t0
         at = len(prompt_ids)  # position of the pending token
         pending = first
         emitted = [int(first)]
         dev = self.device
         while True:
-            out_tokens = list(emit(emitted, res, eos_ids, max_tokens, t0))
-            yield out_tokens
+            yield list(emit(emitted, res, eos_ids, max_tokens, t0))
             if res.finish_reason is not None:
                 return
+            threads.tick()
+            if k == 0:
+                # Decode and round read the same span at a position (k <= 31), so a row's
+                # attention call is the same whichever step computes it.
+                with torch.inference_mode():  # compiled programs' guards check the mode
+                    args = (pending.view(1, 1), torch.tensor([at], device=dev), *self.kv,
+                            self.span(at + SPAN_STEP))
+                nxt = yield Step("decode", 1, 0, args)
+                m.record(0, 0)
+                emitted = [int(nxt)]
+                at += 1
+                pending = nxt
+                continue
+            kk = k
+            if self.draft_p_min is not None:
+                ok = (probs >= self.draft_p_min).tolist()
+                kk = ok.index(False) if False in ok else k
+            t = kk + 1
             with torch.inference_mode():
-                threads.tick()
-                if k == 0:
-                    # Decode and round read the same span at a position (k <= 31), so a
-                    # row's attention call is the same whichever step computes it.
-                    nxt = self.program("decode")(pending.view(1, 1),
-                                                 torch.tensor([at], device=dev), *self.kv,
-                                                 self.span(at + SPAN_STEP))
-                    m.record(0, 0)
-                    emitted = [int(nxt)]
-                    at += 1
-                    pending = nxt
-                    continue
-                kk = k
-                if self.draft_p_min is not None:
-                    ok = (probs >= self.draft_p_min).tolist()
-                    kk = ok.index(False) if False in ok else k
-                t = kk + 1
                 tokens = torch.cat([pending.view(1), drafts[:kk]])[None]
-                out, probs = self.program("round", t, k)(
-                    tokens, torch.tensor([at], device=dev), *self.kv, self.hk, self.hv,
-                    self.span(at + max(SPAN_STEP, 2 * k + 2)))
-                vals = out.tolist()  # the one host read per round
+                args = (tokens, torch.tensor([at], device=dev), *self.kv, self.hk, self.hv,
+                        self.span(at + max(SPAN_STEP, 2 * k + 2)))
+            out, probs = yield Step("round", t, k, args)
+            vals = out.tolist()  # the one host read per round
             n = vals[t]
             # Counted as the eager engine does: no more drafts than tokens still allowed.
             drafted = min(kk, max_tokens - m.generated_tokens - 1)
@@ -1100,6 +1201,19 @@ class FastDecoder:
             pending = out[n : n + 1]
             at += n + 1
             emitted = vals[: n + 1]
+
+
+PIECE = "piece"  # what FastDecoder.steps gives after a piece of the prompt
+
+
+@dataclass
+class Step:
+    """A program call a generation asks for (FastDecoder.steps)."""
+
+    kind: str  # "decode" or "round"
+    t: int  # rows verified (round)
+    k: int  # draft depth (round)
+    args: tuple  # the program's arguments: tokens, position, the generation's caches, span
 
 
 class _Loaded:

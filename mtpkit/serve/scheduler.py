@@ -287,16 +287,21 @@ class _Worker:
 
 
 class _FastWorker(_Worker):
-    """A greedy request on the fast path, stepped by the engine thread itself, a step a
-    turn (FastDecoder.steps): no thread of its own. All fast-path model work then runs in
-    that one thread, whose OpenMP team stays warm; a team per slot thread made libgomp
-    throttle every team's spinning (more pool threads than CPUs), which cost more than a
-    third of the speed."""
+    """A greedy request on the fast path, advanced by the engine thread itself
+    (FastDecoder.steps): no thread of its own. A turn streams what the last step emitted
+    and stops at the next program call (or after a prompt piece); the engine thread runs
+    every waiting call of every sequence together at the start of each round
+    (FastDecoder.run_many: one trunk pass for all of them), so all fast-path model work
+    runs in that one thread. (A thread team per slot thread made libgomp throttle every
+    team's spinning, which cost more than a third of the speed.)"""
 
     def __init__(self, sched: Scheduler, slot: _Slot, req: Request) -> None:
         super().__init__(sched, slot, req)
         self.steps = None
         self.stream = TextStream(sched.tokenizer, req.params.stop)
+        self.step = None  # the program call this request waits on (FastDecoder.Step)
+        self.step_out = None  # its result, sent back at the next turn
+        self.has_out = False
 
     def start(self) -> None:
         """Nothing to start: the engine thread calls turn()."""
@@ -305,7 +310,9 @@ class _FastWorker(_Worker):
         """Nothing to join."""
 
     def turn(self) -> None:
-        """One step of the request (its first turn starts it), in the engine thread."""
+        """Advance the request to its next program call, in the engine thread."""
+        from ..engine.fast import PIECE, Step
+
         req, sched = self.req, self.sched
         final = None
         try:
@@ -316,15 +323,23 @@ class _FastWorker(_Worker):
                 self.steps = self.slot.fast.steps(
                     req.prompt_ids, req.params.max_tokens, sched.num_draft_tokens,
                     result=self.result, eos_ids=eos, chunk=sched.prefill_chunk)
-            tokens = next(self.steps, None)
-            for token in tokens or ():
-                if req.first_token_at is None:
-                    req.first_token_at = time.monotonic()
-                req.completion_tokens += 1
-                self.text += self.stream.push(token)
-                if self.stream.stopped:
+            if self.step is not None and not self.has_out:
+                return  # its call has not run yet
+            item = self._advance()
+            while item is not None and item is not PIECE and not isinstance(item, Step):
+                for token in item:
+                    if req.first_token_at is None:
+                        req.first_token_at = time.monotonic()
+                    req.completion_tokens += 1
+                    self.text += self.stream.push(token)
+                    if self.stream.stopped:
+                        break
+                if self.stream.stopped or self.result.finish_reason is not None:
+                    item = None
                     break
-            if self.stream.stopped or tokens is None or self.result.finish_reason is not None:
+                item = self._advance()
+            self.step = item if isinstance(item, Step) else None
+            if item is None:
                 self.text += self.stream.flush()
                 req.finish_reason = ("stop" if self.stream.stopped
                                      else (self.result.finish_reason or "stop"))
@@ -340,6 +355,7 @@ class _FastWorker(_Worker):
         if final is None:
             self._account()
             return
+        self.step = None
         try:
             if self.steps is not None:
                 self.steps.close()
@@ -352,6 +368,18 @@ class _FastWorker(_Worker):
             log.exception("request %s: cleanup failed", req.id)
         finally:
             self.done = True
+
+    def _advance(self):
+        # The generation's next item, the waiting call's result sent in; None at its end.
+        if self.has_out:
+            out, self.step_out, self.has_out = self.step_out, None, False
+            if isinstance(out, Exception):
+                raise out
+            try:
+                return self.steps.send(out)
+            except StopIteration:
+                return None
+        return next(self.steps, None)
 
 
 @dataclass
@@ -512,9 +540,12 @@ class Scheduler:
                     for w in self._running:
                         w.req.abort_reason, w.req.aborted = _SHUTDOWN, True
             turn %= len(self._running)
-            if turn == 0 and self.packed:
-                threads.tick()
-                self._run_jobs()  # a new round: every sequence's pending trunk work at once
+            if turn == 0:
+                # A new round: every sequence's pending model work at once.
+                self._run_steps()
+                if self.packed:
+                    threads.tick()
+                    self._run_jobs()
             w = self._running[turn]
             if isinstance(w, _FastWorker):
                 w.turn()
@@ -530,6 +561,32 @@ class Scheduler:
                     self._free.append(w.slot)
             else:
                 turn += 1
+
+    def _run_steps(self) -> None:
+        # The fast path's waiting program calls, all sequences' in one pass where possible.
+        waiting = [w for w in self._running
+                   if isinstance(w, _FastWorker) and w.step is not None and not w.has_out]
+        if not waiting:
+            return
+        try:
+            outs = self.fast.run_many([w.step for w in waiting])
+        except Exception:
+            # Each alone, so that one request's failure stays its own (a batched step
+            # writes only the caches' slots past each sequence's position, which its next
+            # step overwrites).
+            log.debug("batched fast-path step failed; running its sequences one by one",
+                      exc_info=True)
+            outs = []
+            for w in waiting:
+                try:
+                    outs.append(self.fast.run(w.step))
+                except Exception as e:
+                    outs.append(e)
+        else:
+            if len(waiting) > 1:
+                self.packed_steps += 1
+        for w, out in zip(waiting, outs, strict=True):
+            w.step_out, w.has_out = out, True
 
     @torch.inference_mode()
     def _run_jobs(self) -> None:
