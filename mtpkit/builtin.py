@@ -45,7 +45,7 @@ def cache_dir() -> Path:
 def builtin_trunk() -> Path:
     """The SmolLM2 trunk as a safetensors folder, converted from the GGUF on first use."""
     src = smollm2_gguf()
-    out = cache_dir() / f"smollm2-135m-instruct-q4_1-{src.stat().st_size}"
+    out = cache_dir() / f"smollm2-135m-instruct-q4_1-f16-{src.stat().st_size}"
     if not (out / "config.json").exists():
         convert_gguf(src, out)
     return out
@@ -56,8 +56,10 @@ def builtin_head() -> Path | None:
     return HEAD_DIR if (HEAD_DIR / "mtp_head.safetensors").exists() else None
 
 
-def convert_gguf(src: Path, out: Path) -> None:
-    """Write a GGUF's tensors (dequantised, fp32), config and tokenizer as an HF folder."""
+def convert_gguf(src: Path, out: Path, half: bool = True) -> None:
+    """Write a GGUF's tensors (dequantised), config and tokenizer as an HF folder: matrices
+    in float16 (``half``; Q4_1 blocks dequantise to within float16's rounding of 2^-11, and
+    a decoding step reads half the bytes), vectors in float32."""
     import torch
     from safetensors.torch import save_file
 
@@ -68,8 +70,10 @@ def convert_gguf(src: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        tensors = {n: ckpt.get_tensor(n, dtype=torch.float32).contiguous()
-                   for n in ckpt.tensor_names()}
+        tensors = {}
+        for n in ckpt.tensor_names():
+            t = ckpt.get_tensor(n, dtype=torch.float32)
+            tensors[n] = (t.half() if half and t.dim() == 2 else t).contiguous()
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         cfg = ckpt.hf_config()
         cfg["converted_from"] = src.name

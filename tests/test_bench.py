@@ -440,3 +440,21 @@ def test_distinct_ggufs_runs_each_file_once(tmp_path):
     assert kept == [("llama.cpp Q4_1 (packaged)", a), ("llama.cpp b", b)]
     assert len(notes) == 2 and "'llama.cpp Q4_1 (packaged)'" in notes[0]
     assert distinct_ggufs(pairs[:2]) == (pairs[:2], [])
+
+
+def test_bench_serve_llama_server_errors_are_one_line(tmp_path, capsys):
+    """`bench serve --llama-server`: no server named, a path that is not an executable, and
+    a binary that exits before it answers /health each end in one clear error (exit 2)."""
+    cases = [(["--concurrency", "1"], "--llama-server PATH"),
+             (["--llama-server", str(tmp_path / "nope")], "not an executable file")]
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho 'error: unknown model' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    cases.append((["--llama-server", str(fake), "--gguf", str(gguf)],
+                  "exited with 3 before it was ready"))
+    for args, words in cases:
+        assert main(["bench", "serve", "--num-prompts", "1", *args]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err

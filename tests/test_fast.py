@@ -311,6 +311,51 @@ def test_sessions_route_fp32_steps_through_the_row_exact_kernel(model_dir):
     assert pr.float_rows and pr.row_exact
 
 
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+def test_sessions_keep_16_bit_weights_and_their_bits(model_dir, tmp_path, half):
+    """A checkpoint stored in bf16/fp16 runs with its Linears held in that precision (half the
+    bytes a step reads) and computes in float32: exactly what the same weights upcast to
+    float32 give, logits bit for bit and tokens with MTP equal to tokens without; and the
+    fast path takes it (a float row-exact trunk)."""
+    import shutil
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+
+    from mtpkit.engine.loader import load_model
+    from mtpkit.engine.session import Session
+    from mtpkit.quant.kernels import int8_mm_available
+    from mtpkit.quant.linear import RowExactLinear, route_rows_through_kernel
+
+    if not int8_mm_available():
+        pytest.skip("mtpkit's CPU kernels do not build here")
+    src = tmp_path / half
+    shutil.copytree(model_dir, src)
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({k: v.to(getattr(torch, half)) if v.dim() == 2 else v
+                   for k, v in tensors.items()}, f, metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = Session.load(src, compile="off")
+        upcast = load_model(src, tokenizer=False).model
+    route_rows_through_kernel(upcast)  # the same values as float32 weights
+    model = session.engine.model
+    linears = [m for m in model.modules() if isinstance(m, RowExactLinear)]
+    assert linears and all(m.weight.dtype == getattr(torch, half) for m in linears)
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # gathered, not read whole
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.inference_mode():
+        got = model.logits(model(ids[:, :4]).hidden)  # 4 rows: the kernel's path
+        want = upcast.logits(upcast(ids[:, :4]).hidden)
+    assert torch.equal(got, want)
+    ref, _ = _eager(Engine(upcast), PROMPTS[1], 0, max_tokens=20)
+    for k in (0, 2):
+        assert _eager(session.engine, PROMPTS[1], k, max_tokens=20)[0] == ref, k
+    pr = FastDecoder(model, backend="eager", max_len=128).programs
+    assert pr.float_rows and pr.row_exact
+
+
 @pytest.mark.parametrize("scheme", ["w8a8-lm", "w8a16-lm", "w4a8-lm"])
 def test_row_exact_trunks_stack_qkv_and_gate_up_exactly(scheme, quantized_engines):
     """Row-exact trunks run q/k/v and gate/up as one int8 layer each; the trunk's states and

@@ -78,13 +78,15 @@ def test_int_kernels_match_reference(bits, group, asym, perm, rows):
 
 
 @pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's int8 kernel does not build here")
-@pytest.mark.parametrize("op", ["int8_mm", "f32_mm"])
+@pytest.mark.parametrize("op", ["int8_mm", "f32_mm", "f32_mm-float16", "f32_mm-bfloat16"])
 # odd shapes hit the tails; 2000 columns split over threads
 @pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23), (2000, 40)])
 def test_hand_int8_kernel_is_exact_and_row_independent(n, k, op):
     """fp32-exact against a float64 reference, and each row the same bits whatever the
     other rows and their number (what lets verification equal decoding): int8 codes times
-    a scale (int8_mm), or float32 weights (f32_mm, four rows a pass)."""
+    a scale (int8_mm), or float32 weights (f32_mm, four rows a pass), or 16-bit ones, which
+    give the bits of the same weights upcast to float32."""
+    op, _, half = op.partition("-")
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) * 0.05 + 0.01
@@ -93,12 +95,16 @@ def test_hand_int8_kernel_is_exact_and_row_independent(n, k, op):
         args, weight = (codes, scale), codes.double() * scale.double()[:, None]
     else:
         args = (codes.float() * scale[:, None],)
+        if half:
+            args = (args[0].to(getattr(torch, half)),)
         weight = args[0].double()
 
     def mm(a):
         return getattr(torch.ops.mtpkit, op)(a, *args)
 
     got = mm(x)
+    if half:  # exact widening: the same sums as over the float32 copy
+        assert torch.equal(got, torch.ops.mtpkit.f32_mm(x, args[0].float()))
     want = x.double() @ weight.T
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     for rows in range(1, 10):

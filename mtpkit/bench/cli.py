@@ -78,8 +78,15 @@ def add_parser(sub) -> None:
                         description="Streaming requests at each concurrency: TTFT, TPOT, ITL, "
                                     "latency, throughput, failures and, from vLLM-style "
                                     "/metrics counters, spec-decode acceptance.")
-    s.add_argument("--url", required=True, help="server root or .../v1, e.g. "
-                   "http://127.0.0.1:8000")
+    s.add_argument("--url", help="server root or .../v1, e.g. http://127.0.0.1:8000")
+    s.add_argument("--llama-server", metavar="PATH",
+                   help="also (or instead of --url) start llama.cpp's llama-server binary with "
+                        "--gguf, one slot per request of the highest concurrency, measure it "
+                        "the same way, and stop it")
+    s.add_argument("--gguf", help="the model llama-server serves (default: the built-in "
+                                  "model's packaged Q4_1 GGUF)")
+    s.add_argument("--llama-threads", type=int, default=None,
+                   help="llama-server's -t (default: the CPUs this process may use)")
     s.add_argument("--model", help="model name to request (default: the first in /v1/models)")
     s.add_argument("--concurrency", default="1,4,8",
                    help="comma-separated concurrency levels (default 1,4,8)")
@@ -530,28 +537,44 @@ def cmd_serve(a) -> int:
     _positive(a.num_prompts, "--num-prompts")
     if a.timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {a.timeout}")
-    bench = ServeBench(a.url, a.model, load_prompts(a.dataset), a.max_tokens,
-                       endpoint=a.endpoint, api_key=a.api_key, timeout_s=a.timeout,
-                       temperature=a.temperature, ignore_eos=a.ignore_eos)
+    if not a.url and not a.llama_server:
+        raise ValueError("give the server to measure: --url URL, or --llama-server PATH to "
+                         "start llama.cpp's server (or both, measured one after the other)")
+    prompts = load_prompts(a.dataset)
 
     def progress(level: dict) -> None:
         print(f"concurrency {level['concurrency']}: {level['completed']}/{level['requests']} "
               f"ok in {level['duration_s']:.1f} s", file=sys.stderr)
 
-    result = asyncio.run(bench.run(levels, a.num_prompts, on_level=progress))
-    result["environment"] = _environment()
-    result["dataset"] = a.dataset
+    def measure(url: str, model: str | None) -> dict:
+        bench = ServeBench(url, model, prompts, a.max_tokens, endpoint=a.endpoint,
+                           api_key=a.api_key, timeout_s=a.timeout, temperature=a.temperature,
+                           ignore_eos=a.ignore_eos)
+        result = asyncio.run(bench.run(levels, a.num_prompts, on_level=progress))
+        result["environment"] = _environment()
+        result["dataset"] = a.dataset
+        return result
+
+    results = []
+    if a.url:
+        results.append(measure(a.url, a.model))
+    if a.llama_server:
+        from .peers import llama_server
+
+        with llama_server(a.llama_server, a.gguf, max(levels), a.llama_threads) as url:
+            results.append(measure(url, None))
     if a.save:
-        write_json(Path(a.save), result)
-    summary = {**result, "levels": [{k: v for k, v in lv.items() if k != "records"}
-                                    for lv in result["levels"]]}
+        write_json(Path(a.save), results[0] if len(results) == 1 else results)
+    summaries = [{**r, "levels": [{k: v for k, v in lv.items() if k != "records"}
+                                  for lv in r["levels"]]} for r in results]
     if a.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=2))
     else:
-        print_serve(summary)
+        for summary in summaries:
+            print_serve(summary)
         if a.save:
             print(f"per-request records: {a.save}")
-    return 1 if any(lv["completed"] == 0 for lv in result["levels"]) else 0
+    return 1 if any(lv["completed"] == 0 for r in results for lv in r["levels"]) else 0
 
 
 def print_serve(result: dict) -> None:
@@ -627,6 +650,8 @@ def cmd_compare(a) -> int:
 
 def _precision(model) -> str:
     """How the trunk's weights run: fp32/bf16, or the quantized scheme of its Linears."""
+    import torch
+
     from ..quant.linear import QuantLinear
 
     kinds = set()
@@ -636,8 +661,15 @@ def _precision(model) -> str:
             kinds.add(w + ("a8" if m.act_quant else "a16" if m.kind == "int" else ""))
     if kinds:
         return "+".join(sorted(kinds))
-    return str(next(model.parameters()).dtype).replace("torch.float32", "fp32").replace(
-        "torch.bfloat16", "bf16").replace("torch.", "")
+    from ..quant.linear import RowExactLinear
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    half = {m.weight.dtype for m in model.model.modules()
+            if isinstance(m, RowExactLinear) and m.weight.dtype != torch.float32}
+    if half:  # 16-bit weights, float32 arithmetic
+        return f"{names.get(half.pop(), 'half')} weights"
+    dtype = next(model.parameters()).dtype
+    return names.get(dtype, str(dtype).replace("torch.", ""))
 
 
 def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 10,

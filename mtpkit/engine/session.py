@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from ..quant.linear import route_rows_through_kernel
 from .generate import Engine, Result
 from .loader import load_model
@@ -45,7 +47,9 @@ class Session:
         # Decoding steps (1 to k+1 rows) through mtpkit's fp32 kernel: faster here than
         # torch's GEMM at those row counts, and each row the same bits whatever rows come
         # with it. A no-op where the model is not fp32 on a CPU or the kernels cannot build.
-        route_rows_through_kernel(loaded.model)
+        # Weights stored in 16 bits stay in them (widened exactly in the kernel, so the
+        # same bits as upcast ones, at half the bytes a step reads).
+        route_rows_through_kernel(loaded.model, stored_half_dtype(path))
         vocab = None if full_draft_vocab else loaded.draft_vocab
         if draft_vocab_size is not None:
             if draft_vocab_size < 1:
@@ -113,6 +117,30 @@ class Session:
             on_text(text[sent:])
         return Completion(text, list(res.tokens), finish or res.finish_reason or "stop",
                           res.metrics)
+
+
+def stored_half_dtype(path) -> torch.dtype | None:
+    """float16 or bfloat16 when a checkpoint folder stores its Linear weights so (the
+    first decoder projection read tells), else None."""
+    from pathlib import Path
+
+    from ..checkpoint.hf import HFCheckpoint
+
+    folder = Path(path)
+    if not folder.is_dir():
+        return None
+    try:
+        from ..checkpoint import open_checkpoint
+
+        ckpt = open_checkpoint(folder)
+    except Exception:  # the loader has already said what is wrong with it
+        return None
+    if not isinstance(ckpt, HFCheckpoint):
+        return None
+    for name in ckpt.tensor_names():
+        if name.endswith(("q_proj.weight", "gate_proj.weight", "qkv_proj.weight")):
+            return {"F16": torch.float16, "BF16": torch.bfloat16}.get(ckpt.tensor_dtype(name))
+    return None
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

@@ -393,24 +393,29 @@ def linear_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
 class RowExactLinear(nn.Module):
     """An fp32 Linear through mtpkit's ``f32_mm`` kernel: each output row the same bits
     whatever rows are computed with it, which the compiled fp32 path needs for exact
-    speculative rounds (engine/fast.py). Shares the wrapped layer's weight (no copy)."""
+    speculative rounds (engine/fast.py). Shares the wrapped layer's weight (no copy), or
+    with ``weight_dtype`` (float16, bfloat16) holds it in that precision: the kernel widens
+    it exactly and sums in float32, reading half the bytes a step."""
 
     row_exact = True
     # More rows (a prompt) take torch's GEMM, whose blocking reuses each weight across rows:
     # f32_mm streams the weight once per four rows. Steps never have this many.
     max_kernel_rows = 16
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        if weight_dtype is not None and weight_dtype != linear.weight.dtype:
+            self.weight = nn.Parameter(linear.weight.detach().to(weight_dtype),
+                                       requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] > self.max_kernel_rows:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight.to(x.dtype), self.bias)
         out = torch.ops.mtpkit.f32_mm(x2.contiguous(), self.weight)
         if self.bias is not None:
             out = out + self.bias
@@ -432,9 +437,10 @@ class RowExactLinear(nn.Module):
                 and linear.weight.device.type == "cpu" and int8_mm_available())
 
 
-def route_rows_through_kernel(model: nn.Module) -> int:
-    """Make every fp32 CPU nn.Linear under ``model`` a RowExactLinear (same weight, no copy);
-    returns how many. For inference: the kernel has no backward.
+def route_rows_through_kernel(model: nn.Module, weight_dtype: torch.dtype | None = None) -> int:
+    """Make every fp32 CPU nn.Linear under ``model`` a RowExactLinear (same weight, no copy;
+    or held in ``weight_dtype``, float16 or bfloat16); returns how many. For inference: the
+    kernel has no backward.
 
     On these CPUs torch's fp32 GEMM is slow at the row counts of decoding (2 cores, SmolLM2's
     weights through F.linear against f32_mm, ms: 1 row 46.8 / 19.7, 2 rows 98.8 / 21.9, 4 rows
@@ -444,7 +450,7 @@ def route_rows_through_kernel(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and RowExactLinear.fits(child):
-                setattr(parent, name, RowExactLinear(child))
+                setattr(parent, name, RowExactLinear(child, weight_dtype))
                 n += 1
     return n
 
@@ -478,4 +484,6 @@ def dtype_device(linear: nn.Module) -> tuple[torch.dtype, torch.device]:
     """Compute dtype and device of a Linear or QuantLinear, without dequantizing anything."""
     if isinstance(linear, QuantLinear):
         return linear.dtype, linear.scale.device
+    if isinstance(linear, RowExactLinear):  # 16-bit weights or not, it computes in float32
+        return torch.float32, linear.weight.device
     return linear.weight.dtype, linear.weight.device

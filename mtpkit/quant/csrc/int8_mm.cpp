@@ -52,6 +52,14 @@ inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+// Half-precision weights widen exactly to float32 (F16C; bf16 is float32's top half).
+inline __m256 widen8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 widen8(const at::BFloat16* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
 
 // R rows of x against output columns [n0, n1), 16 weights per step; two accumulators per
 // row break the FMA dependency chain. Not inlined: inlined into the OpenMP region, gcc 12
@@ -123,17 +131,25 @@ static at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y;
 }
 
+// Weights float32, float16 or bfloat16 (widened exactly; the sums are float32's either way).
 static at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "f32_mm: x [M,K], w [N,K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
-              "f32_mm: x and w float32");
+  const auto wt = w.scalar_type();
+  TORCH_CHECK(x.scalar_type() == at::kFloat &&
+                  (wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16),
+              "f32_mm: x float32, w float32, float16 or bfloat16");
   at::Tensor xc = x.contiguous(), wc = w.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
-  rows_gemm(xc.data_ptr<float>(), wc.data_ptr<float>(), nullptr, y.data_ptr<float>(), M, K,
-            N);
+  float* yp = y.data_ptr<float>();
+  if (wt == at::kHalf)
+    rows_gemm(xc.data_ptr<float>(), wc.data_ptr<at::Half>(), nullptr, yp, M, K, N);
+  else if (wt == at::kBFloat16)
+    rows_gemm(xc.data_ptr<float>(), wc.data_ptr<at::BFloat16>(), nullptr, yp, M, K, N);
+  else
+    rows_gemm(xc.data_ptr<float>(), wc.data_ptr<float>(), nullptr, yp, M, K, N);
 #else
   TORCH_CHECK(false, "f32_mm was built without AVX2/FMA");
 #endif
