@@ -564,7 +564,9 @@ class Programs(nn.Module):
     def batchable(self) -> bool:
         """Whether several sequences' steps can share one trunk pass with each row's bits
         those of its sequence alone: every GEMM row-exact, natural row counts."""
-        layers = self.model.model.layers
+        layers = list(self.model.model.layers)
+        if self.model.mtp is not None:
+            layers += list(self.model.mtp.layers)
         return self.row_exact and not any(b.self_attn.output_gate for b in layers)
 
     def trunk_rows(self, seqs):
@@ -604,15 +606,70 @@ class Programs(nn.Module):
 
     def round_many(self, items, k: int):
         """round() of several sequences, items = [(tokens, pos0, kc, vc, hk, hv, span)],
-        with one trunk pass -> [(out, probs)]."""
-        seqs = [(tokens, pos0 + torch.arange(tokens.shape[1], device=tokens.device), kc, vc,
-                 span) for tokens, pos0, kc, vc, _, _, span in items]
+        with one trunk pass and one head pass per draft step -> [(out, probs)]."""
+        spec = self.model.mtp.spec
+        dev = items[0][0].device
+        poss = [pos0 + torch.arange(tokens.shape[1], device=dev)
+                for tokens, pos0, *_ in items]
+        seqs = [(tokens, pos, kc, vc, span)
+                for (tokens, _, kc, vc, _, _, span), pos in zip(items, poss, strict=True)]
         states = self.trunk_rows(seqs)
         targets = argmax_rows(self.logits(torch.cat([p for p, _ in states], 1)[0]))
         targets = targets.split([tokens.shape[1] for tokens, *_ in items])
-        return [self._round_head(tokens, pos0, post, pre, target, hk, hv, span, k)
-                for (tokens, pos0, _, _, hk, hv, span), (post, pre), target
-                in zip(items, states, targets, strict=True)]
+        # n = length of the run of drafts equal to the target's choice, per sequence.
+        ns = [torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)
+              for (tokens, *_), target in zip(items, targets, strict=True)]
+        # Head catch-up over every sequence's positions with its target tokens (round()).
+        hidden = [post if spec.trunk_hidden == "post_norm" else pre for post, pre in states]
+        heads = self.head_rows([(target[None], h, pos, hk, hv, span)
+                                for target, h, pos, (_, _, _, _, hk, hv, span)
+                                in zip(targets, hidden, poss, items, strict=True)])
+        chain_post = spec.chain_hidden == "post_norm"
+        post = torch.cat([hp[0].index_select(0, n) for (hp, _), n in zip(heads, ns, strict=True)])
+        state = torch.cat([(hp if chain_post else hq)[0].index_select(0, n)
+                           for (hp, hq), n in zip(heads, ns, strict=True)])
+        tok, p = self.draft_pick(post)  # [B] each
+        drafts, ps = [tok], [p]
+        pos = torch.cat([pos0 + n + 1 for (_, pos0, *_), n in zip(items, ns, strict=True)])
+        for _ in range(k - 1):
+            step = self.head_rows([(tok[b].view(1, 1), state[b].view(1, 1, -1), pos[b:b + 1],
+                                    hk, hv, span)
+                                   for b, (_, _, _, _, hk, hv, span) in enumerate(items)])
+            post = torch.cat([hp[0] for hp, _ in step])
+            state = torch.cat([(hp if chain_post else hq)[0] for hp, hq in step])
+            tok, p = self.draft_pick(post)
+            drafts.append(tok)
+            ps.append(p)
+            pos = pos + 1
+        drafts, ps = torch.stack(drafts, 1), torch.stack(ps, 1)  # [B, k]
+        return [(torch.cat([target, n, drafts[b]]), ps[b])
+                for b, (target, n) in enumerate(zip(targets, ns, strict=True))]
+
+    def head_rows(self, seqs):
+        """The MTP head over several sequences' rows in one pass: seqs = [(ids [1, T],
+        states [1, T, D], pos [T], hk, hv, span)], each attending over its own head cache
+        -> [(post, pre)] a sequence."""
+        m = self.model
+        mtp = m.mtp
+        sizes = [ids.shape[1] for ids, *_ in seqs]
+        emb = m.model.embed_tokens(torch.cat([ids for ids, *_ in seqs], 1))
+        hidden = torch.cat([h for _, h, *_ in seqs], 1)
+        e, h = mtp.pre_fc_norm_embedding(emb), mtp.pre_fc_norm_hidden(hidden)
+        x = mtp.fc(torch.cat([e, h] if mtp.spec.emb_first else [h, e], dim=-1))
+        layer = mtp.layers[0]
+        attn = layer.self_attn
+        hx = layer.input_layernorm(x)
+        qkv = torch.cat([getattr(attn, n)(hx) for n in ("q_proj", "k_proj", "v_proj")], -1)
+        outs = []
+        for (_, _, pos, hk, hv, span), part in zip(seqs, qkv.split(sizes, 1), strict=True):
+            cos, sin = self._cos_sin(pos)
+            outs.append(_attention(attn, None, cos, sin, hk, hv, pos,
+                                   _mask(pos, _span(span, hk), self.groups), part.shape[1],
+                                   qkv=part, project=False))
+        x = x + attn.o_proj(torch.cat(outs, 1))
+        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+        post = mtp.norm(x)
+        return list(zip(post.split(sizes, 1), x.split(sizes, 1), strict=True))
 
 
 class _Step(nn.Module):
@@ -778,6 +835,8 @@ class FastDecoder:
         self._alloc_caches()
         self._fns: dict[tuple, object] = {}
         self._spans: dict[int, torch.Tensor] = {}
+        self._times: dict[tuple, float] = {}  # run_many's timings (shared by forks)
+        self._counts: dict[tuple, int] = {}
 
     @property
     def has_mtp(self) -> bool:
@@ -1108,26 +1167,51 @@ class FastDecoder:
     @torch.inference_mode()
     def run_many(self, steps: list[Step]) -> list:
         """Program calls of several generations (forks of this decoder) at once: decode
-        steps together and rounds of one draft depth together, each group one trunk pass
-        (Programs.decode_many / round_many, uncompiled); a lone call runs its program."""
+        steps together and rounds of one draft depth together, each group either one trunk
+        pass (Programs.decode_many / round_many, uncompiled) or a program call each, which
+        ever has been the faster here (timed as they run; every way gives the same bits)."""
         out: list = [None] * len(steps)
         groups: dict[tuple, list[int]] = {}
         for i, st in enumerate(steps):
             groups.setdefault((st.kind, st.k), []).append(i)
         pr = self.programs
         for (kind, k), idx in groups.items():
-            if len(idx) == 1 or not pr.batchable:
+            n = len(idx)
+            if n == 1 or not pr.batchable or not self._batch_pays(kind, k, n):
+                t0 = time.perf_counter()
                 for i in idx:
                     out[i] = self.run(steps[i])
+                self._timed((kind, k, 1), (time.perf_counter() - t0) / n)
                 continue
             threads.tick()
+            t0 = time.perf_counter()
             if kind == "decode":
                 got = pr.decode_many([steps[i].args for i in idx])
             else:
                 got = pr.round_many([steps[i].args for i in idx], k)
+            self._timed((kind, k, n), time.perf_counter() - t0)
             for i, g in zip(idx, got, strict=True):
                 out[i] = g
         return out
+
+    def _timed(self, key: tuple, seconds: float) -> None:
+        # A moving average of what a call took (key: kind, k, sequences; 1 = one program).
+        old = self._times.get(key)
+        self._times[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def _batch_pays(self, kind: str, k: int, n: int) -> bool:
+        # One pass for n sequences against n program calls: batched passes run uncompiled,
+        # so where compiled programs are loaded a call each can be the faster. Each way is
+        # tried a few times before the averages decide, and the slower one again now and
+        # then, since the machine's speed moves.
+        single, batch = (kind, k, 1), (kind, k, n)
+        for key in (batch, single):
+            if self._counts.get(key, 0) < 3:
+                return key == batch
+        turn = self._counts[single] + self._counts[batch]
+        prefer = self._times[batch] <= n * self._times[single]
+        return prefer if turn % 50 else not prefer
 
     def steps(self, prompt_ids: list[int], max_tokens: int, k: int = 0, result=None,
               eos_ids: set[int] | None = None, chunk: int | None = None):
