@@ -244,28 +244,41 @@ class _Worker:
             req.finish_reason = self._decode()
             self._flush()
             final = ("done", req.finish_reason)
-        except Aborted:
-            req.finish_reason = "abort"
-            final = ("aborted", req.abort_reason)
         except Exception as e:
-            log.exception("request %s failed in the engine", req.id)
-            req.finish_reason = "error"
-            final = ("error", f"internal error in the engine: {type(e).__name__}: {e}")
+            final = self._failed(e)
         finally:
             try:
                 self.slot.model.worker = None
-                req.finished_at = time.monotonic()
-                self._account()
-                if self.sched.stats is not None:
-                    self.sched.stats.finished(req)
-                self._post(final or ("aborted", req.abort_reason))
-            except Exception:
-                log.exception("request %s: cleanup failed", req.id)
+                self._close(final)
             finally:
                 # Whatever happened, the baton goes back: the engine thread must never wait
                 # on a request that has ended.
-                self.done = True
                 self.sched._back.release()
+
+    def _failed(self, e: Exception) -> tuple:
+        # The final event of a request whose decoding raised e (its finish reason set).
+        req = self.req
+        if isinstance(e, Aborted):
+            req.finish_reason = "abort"
+            return ("aborted", req.abort_reason)
+        log.error("request %s failed in the engine", req.id, exc_info=e)
+        req.finish_reason = "error"
+        return ("error", f"internal error in the engine: {type(e).__name__}: {e}")
+
+    def _close(self, final: tuple | None) -> None:
+        # Count the request as finished (before its last event: /metrics then agrees with
+        # the response) and send that event; the request is done whatever fails here.
+        req = self.req
+        try:
+            req.finished_at = time.monotonic()
+            self._account()
+            if self.sched.stats is not None:
+                self.sched.stats.finished(req)
+            self._post(final or ("aborted", req.abort_reason))
+        except Exception:
+            log.exception("request %s: cleanup failed", req.id)
+        finally:
+            self.done = True
 
     def _decode(self) -> str:
         req, sched = self.req, self.sched
@@ -345,13 +358,8 @@ class _FastWorker(_Worker):
                                      else (self.result.finish_reason or "stop"))
                 final = ("done", req.finish_reason)
             self._flush()
-        except Aborted:
-            req.finish_reason = "abort"
-            final = ("aborted", req.abort_reason)
         except Exception as e:
-            log.exception("request %s failed in the engine", req.id)
-            req.finish_reason = "error"
-            final = ("error", f"internal error in the engine: {type(e).__name__}: {e}")
+            final = self._failed(e)
         if final is None:
             self._account()
             return
@@ -359,15 +367,8 @@ class _FastWorker(_Worker):
         try:
             if self.steps is not None:
                 self.steps.close()
-            req.finished_at = time.monotonic()
-            self._account()
-            if sched.stats is not None:
-                sched.stats.finished(req)
-            self._post(final)
-        except Exception:
-            log.exception("request %s: cleanup failed", req.id)
         finally:
-            self.done = True
+            self._close(final)
 
     def _advance(self):
         # The generation's next item, the waiting call's result sent in; None at its end.
