@@ -145,6 +145,20 @@ def _qkv_cached(attn: Attention, x, cos, sin, kbuf, vbuf, pos, fused=None, qkv=N
     return q, gate
 
 
+def _qkv_rows(attn: Attention, x, fused: nn.ModuleDict | None = None) -> torch.Tensor:
+    """q/k/v projections of x side by side [.., Nq + 2 Nkv] (the step's fused layer where
+    it has one), the ``qkv`` _attention takes."""
+    if fused is not None and "qkv" in fused:
+        return fused["qkv"](x)
+    return torch.cat([_lin(fused, n, getattr(attn, n))(x) for n in ("q_proj", "k_proj", "v_proj")],
+                     -1)
+
+
+def _accepted(tokens, target):
+    """n [1]: how many drafts (tokens[0, 1:]) equal the target's choices before them."""
+    return torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)
+
+
 def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
                rows: int | None = None, fused: nn.ModuleDict | None = None,
                qkv: torch.Tensor | None = None, project: bool = True) -> torch.Tensor:
@@ -455,17 +469,22 @@ class Programs(nn.Module):
 
     def head(self, ids, hidden, pos, hk, hv, span=None, zero_first: bool = False):
         """One MTP step over tokens t_{i+1} [1, T] and states h_i [1, T, D] at pos."""
+        mtp = self.model.mtp
+        x = self._head_input(ids, hidden, zero_first)
+        cos, sin = self._cos_sin(pos)
+        x = _block(mtp.layers[0], x, cos, sin, hk, hv, pos,
+                   _mask(pos, _span(span, hk), self.groups))
+        return mtp.norm(x), x
+
+    def _head_input(self, ids, hidden, zero_first: bool = False):
+        # The head layer's input: the tokens' embeddings and the states, normed, through fc.
         m = self.model
         mtp = m.mtp
         emb = m.model.embed_tokens(ids)
         if zero_first:
             emb = torch.cat([torch.zeros_like(emb[:, :1]), emb[:, 1:]], dim=1)
         e, h = mtp.pre_fc_norm_embedding(emb), mtp.pre_fc_norm_hidden(hidden)
-        x = mtp.fc(torch.cat([e, h] if mtp.spec.emb_first else [h, e], dim=-1))
-        cos, sin = self._cos_sin(pos)
-        x = _block(mtp.layers[0], x, cos, sin, hk, hv, pos,
-                   _mask(pos, _span(span, hk), self.groups))
-        return mtp.norm(x), x
+        return mtp.fc(torch.cat([e, h] if mtp.spec.emb_first else [h, e], dim=-1))
 
     def logits(self, post):
         """Full-vocabulary fp32 logits of trunk states (a step's greedy picks)."""
@@ -548,8 +567,7 @@ class Programs(nn.Module):
         t = tokens.shape[1]
         spec = self.model.mtp.spec
         pos = pos0 + torch.arange(t, device=tokens.device)
-        # n = length of the run of drafts equal to the target's choice.
-        n = torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)
+        n = _accepted(tokens, target)
         # Head catch-up over all T positions with the target's tokens; row n is what the
         # eager engine computes next round (later rows are overwritten before use).
         hidden = post if spec.trunk_hidden == "post_norm" else pre
@@ -582,12 +600,7 @@ class Programs(nn.Module):
         for i, layer in enumerate(m.model.layers):
             f = None if self.fused is None else self.fused[i]
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            if f is not None and "qkv" in f:
-                qkv = f["qkv"](h)
-            else:
-                qkv = torch.cat([_lin(f, n, getattr(attn, n))(h)
-                                 for n in ("q_proj", "k_proj", "v_proj")], -1)
+            qkv = _qkv_rows(attn, layer.input_layernorm(x), f)
             heads = [_attention(attn, None, cos, sin, kc[i], vc[i], pos, mask, part.shape[1],
                                 qkv=part, project=False)
                      for (_, pos, kc, vc, _), (cos, sin), mask, part
@@ -616,8 +629,7 @@ class Programs(nn.Module):
         states = self.trunk_rows(seqs)
         targets = argmax_rows(self.logits(torch.cat([p for p, _ in states], 1)[0]))
         targets = targets.split([tokens.shape[1] for tokens, *_ in items])
-        # n = length of the run of drafts equal to the target's choice, per sequence.
-        ns = [torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)
+        ns = [_accepted(tokens, target)
               for (tokens, *_), target in zip(items, targets, strict=True)]
         # Head catch-up over every sequence's positions with its target tokens (round()).
         hidden = [post if spec.trunk_hidden == "post_norm" else pre for post, pre in states]
@@ -649,17 +661,13 @@ class Programs(nn.Module):
         """The MTP head over several sequences' rows in one pass: seqs = [(ids [1, T],
         states [1, T, D], pos [T], hk, hv, span)], each attending over its own head cache
         -> [(post, pre)] a sequence."""
-        m = self.model
-        mtp = m.mtp
+        mtp = self.model.mtp
         sizes = [ids.shape[1] for ids, *_ in seqs]
-        emb = m.model.embed_tokens(torch.cat([ids for ids, *_ in seqs], 1))
-        hidden = torch.cat([h for _, h, *_ in seqs], 1)
-        e, h = mtp.pre_fc_norm_embedding(emb), mtp.pre_fc_norm_hidden(hidden)
-        x = mtp.fc(torch.cat([e, h] if mtp.spec.emb_first else [h, e], dim=-1))
+        x = self._head_input(torch.cat([ids for ids, *_ in seqs], 1),
+                             torch.cat([h for _, h, *_ in seqs], 1))
         layer = mtp.layers[0]
         attn = layer.self_attn
-        hx = layer.input_layernorm(x)
-        qkv = torch.cat([getattr(attn, n)(hx) for n in ("q_proj", "k_proj", "v_proj")], -1)
+        qkv = _qkv_rows(attn, layer.input_layernorm(x))
         outs = []
         for (_, _, pos, hk, hv, span), part in zip(seqs, qkv.split(sizes, 1), strict=True):
             cos, sin = self._cos_sin(pos)
@@ -1084,14 +1092,19 @@ class FastDecoder:
         return time.perf_counter() - t0
 
     # -- generation ------------------------------------------------------------------------
+    @staticmethod
+    def _positions(prompt_len: int, max_tokens: int, k: int) -> int:
+        # Cache positions a request may write: its tokens and the draft window past them.
+        return prompt_len + max_tokens + 2 * k + 2
+
     def fits(self, prompt_len: int, max_tokens: int, k: int) -> bool:
         """Whether a request fits the static cache."""
-        return prompt_len + max_tokens + 2 * k + 2 <= self.max_len
+        return self._positions(prompt_len, max_tokens, k) <= self.max_len
 
     def check_length(self, prompt_len: int, max_tokens: int, k: int) -> None:
         """Raise ValueError when a request does not fit the static cache."""
-        need = prompt_len + max_tokens + 2 * k + 2
-        if need > self.max_len:
+        if not self.fits(prompt_len, max_tokens, k):
+            need = self._positions(prompt_len, max_tokens, k)
             raise ValueError(
                 f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) and the draft "
                 f"window need {need} cache positions; the compiled cache holds "

@@ -49,7 +49,7 @@ class Session:
         # with it. A no-op where the model is not fp32 on a CPU or the kernels cannot build.
         # Weights stored in 16 bits stay in them (widened exactly in the kernel, so the
         # same bits as upcast ones, at half the bytes a step reads).
-        route_rows_through_kernel(loaded.model, stored_half_dtype(path))
+        route_rows_through_kernel(loaded.model, stored_half_dtype(loaded.checkpoint))
         vocab = None if full_draft_vocab else loaded.draft_vocab
         if draft_vocab_size is not None:
             if draft_vocab_size < 1:
@@ -119,24 +119,12 @@ class Session:
                           res.metrics)
 
 
-def stored_half_dtype(path) -> torch.dtype | None:
-    """float16 or bfloat16 when a checkpoint folder stores its Linear weights so (the
-    first decoder projection read tells), else None."""
-    from pathlib import Path
-
-    from ..checkpoint.hf import HFCheckpoint
-
-    folder = Path(path)
-    if not folder.is_dir():
-        return None
-    try:
-        from ..checkpoint import open_checkpoint
-
-        ckpt = open_checkpoint(folder)
-    except Exception:  # the loader has already said what is wrong with it
-        return None
-    if not isinstance(ckpt, HFCheckpoint):
-        return None
+def stored_half_dtype(ckpt) -> torch.dtype | None:
+    """float16 or bfloat16 when a checkpoint (as the loader opened it) stores its Linear
+    weights so (the first decoder projection tells), else None."""
+    ckpt = getattr(ckpt, "trunk", ckpt)  # a trunk with a separately trained head over it
+    if not callable(getattr(ckpt, "tensor_dtype", None)):
+        return None  # GGUF: dequantised on load
     for name in ckpt.tensor_names():
         if name.endswith(("q_proj.weight", "gate_proj.weight", "qkv_proj.weight")):
             return {"F16": torch.float16, "BF16": torch.bfloat16}.get(ckpt.tensor_dtype(name))

@@ -140,15 +140,6 @@ class _Slot:
             self.drafter.model = self.model
 
     @property
-    def has_fast(self) -> bool:
-        """Whether greedy requests in this slot can take the fast path."""
-        return self._fast_source is not None
-
-    def fits(self, prompt_len: int, max_tokens: int, k: int) -> bool:
-        """Whether a request fits the fast path's cache."""
-        return self._fast_source.fits(prompt_len, max_tokens, k)
-
-    @property
     def fast(self):
         """The slot's FastDecoder (the server's programs, the slot's own caches), made on
         the first greedy request it serves; None when the model has none."""
@@ -287,14 +278,23 @@ class _Worker:
                                         result=self.result, drafter=self.slot.drafter)
         try:
             for token in gen:
-                if req.first_token_at is None:
-                    req.first_token_at = time.monotonic()
-                req.completion_tokens += 1
-                self.text += stream.push(token)
-                if stream.stopped:
+                if self._push(stream, token):
                     return "stop"
         finally:
             gen.close()
+        return self._ended(stream)
+
+    def _push(self, stream: TextStream, token: int) -> bool:
+        # One emitted token into the request's text; True when a stop string ended it.
+        req = self.req
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        req.completion_tokens += 1
+        self.text += stream.push(token)
+        return stream.stopped
+
+    def _ended(self, stream: TextStream) -> str:
+        # The generation ended: the text held back goes out; the finish reason.
         self.text += stream.flush()
         return "stop" if stream.stopped else (self.result.finish_reason or "stop")
 
@@ -340,22 +340,14 @@ class _FastWorker(_Worker):
                 return  # its call has not run yet
             item = self._advance()
             while item is not None and item is not PIECE and not isinstance(item, Step):
-                for token in item:
-                    if req.first_token_at is None:
-                        req.first_token_at = time.monotonic()
-                    req.completion_tokens += 1
-                    self.text += self.stream.push(token)
-                    if self.stream.stopped:
-                        break
-                if self.stream.stopped or self.result.finish_reason is not None:
+                if (any(self._push(self.stream, token) for token in item)
+                        or self.result.finish_reason is not None):
                     item = None
                     break
                 item = self._advance()
             self.step = item if isinstance(item, Step) else None
             if item is None:
-                self.text += self.stream.flush()
-                req.finish_reason = ("stop" if self.stream.stopped
-                                     else (self.result.finish_reason or "stop"))
+                req.finish_reason = self._ended(self.stream)
                 final = ("done", req.finish_reason)
             self._flush()
         except Exception as e:
@@ -620,16 +612,16 @@ class Scheduler:
             req = self._waiting.popleft()
             req.admitted_at = time.monotonic()
             slot = self._free.pop()
-            kind = _FastWorker if self._fast_fits(slot, req) else _Worker
+            kind = _FastWorker if self._fast_fits(req) else _Worker
             w = kind(self, slot, req)
             self._running.append(w)
             if self.stats is not None:
                 self.stats.admitted(req)
             w.start()
 
-    def _fast_fits(self, slot: _Slot, req: Request) -> bool:
+    def _fast_fits(self, req: Request) -> bool:
         # Greedy requests that fit the fast path's cache take it; the rest run the eager
         # engine (sampling, longer contexts).
-        return (req.params.greedy and slot.has_fast
-                and slot.fits(len(req.prompt_ids), req.params.max_tokens,
-                              self.num_draft_tokens))
+        return (req.params.greedy and self.fast is not None
+                and self.fast.fits(len(req.prompt_ids), req.params.max_tokens,
+                                   self.num_draft_tokens))
