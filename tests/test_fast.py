@@ -614,6 +614,27 @@ def test_forks_stepped_together_keep_each_sequences_tokens(name, engine_factory,
         assert want == [_eager(engine, p, 3)[0] for p in prompts]
 
 
+def test_head_rows_attend_each_sequences_own_cache(engine_factory):
+    """The batched head pass (Programs.head_rows) gives each sequence what the head alone
+    gives it over its own cache (up to the row kernel's rounding against SDPA's)."""
+    engine = engine_factory("llama")
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    prompts = [PROMPTS[1], [(7 * i) % 90 + 1 for i in range(23)]]
+    forks = [dec.fork() for _ in prompts]
+    for f, p in zip(forks, prompts, strict=True):
+        f.prefill(p, 1)  # fills the head caches up to len(p)
+    g = torch.Generator().manual_seed(0)
+    dim = engine.model.config.hidden_size
+    rows = [(torch.tensor([[5 + i]]), torch.randn(1, 1, dim, generator=g),
+             torch.tensor([len(p)]), f.hk, f.hv, f.span(len(p) + 1))
+            for i, (f, p) in enumerate(zip(forks, prompts, strict=True))]
+    with torch.inference_mode():
+        batched = dec.programs.head_rows(rows)
+        for (post, _), args in zip(batched, rows, strict=True):
+            alone, _ = dec.programs.head(*args)
+            torch.testing.assert_close(post, alone, rtol=1e-5, atol=1e-5)
+
+
 def test_auto_backend_runs_uncompiled_until_programs_exist(engine_factory, tmp_path):
     """backend="auto" never builds: with nothing in the cache it runs the programs
     uncompiled (the eager engine's tokens); it would load a built one by its key."""
