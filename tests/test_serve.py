@@ -33,6 +33,7 @@ from mtpkit.engine.loader import load_model
 from mtpkit.engine.sampling import SamplingParams
 
 NAME = "tiny-llama"
+A_BODY_LIMIT = 65536
 KEY = "s3cret-key"
 PROMPTS = ["def f(x):", "abc", "Hello, world", "for i in range(10):", "The cat", "x = 1\ny =",
            "import os", "42 + 17 ="]
@@ -99,7 +100,8 @@ def fleet(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve-logs")
     servers = {
         "A": Server(model_dir, logs, "-k", "3", "--max-num-seqs", "8", "--max-queue", "200",
-                    "--prefill-chunk", "32"),
+                    "--prefill-chunk", "32", "--max-request-bytes", str(A_BODY_LIMIT),
+                    "--header-timeout", "2", "--default-max-tokens", "16"),
         "B": Server(model_dir, logs, "-k", "0", "--api-key", KEY),
         "C": Server(model_dir, logs, "-k", "2", "--max-num-seqs", "2", "--max-queue", "1",
                     "--shutdown-timeout", "1"),
@@ -142,8 +144,7 @@ class Reference:
 
     def ids(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
-            text = self.tok.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tok.encode(text, add_special_tokens=False)
+            return self.tok.chat_ids([{"role": "user", "content": prompt}])
         return self.tok.encode(prompt)
 
     def run(self, ids: list[int], max_tokens: int, k: int, **kw) -> tuple[str, Result]:
@@ -323,7 +324,34 @@ BAD = [  # (path, body (dict, or bytes sent raw), status, message part, param)
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "at least 1", "max_tokens"),
     ("/v1/completions", {"prompt": "x" * 10, "max_tokens": 600}, 400, "context is 512 tokens",
      "max_tokens"),
-    ("/v1/completions", {"prompt": _LONG}, 400, "context is 512 tokens", "prompt"),
+    ("/v1/completions", {"prompt": _LONG}, 400, "the prompt has 600 tokens, which leaves no "
+     "room for output in this model's context of 512 tokens", "prompt"),
+    # Text that cannot fit whatever it tokenizes to: refused before tokenizing (5-character
+    # pieces at most, so 6,000 characters are at least 600 tokens).
+    ("/v1/completions", {"prompt": "ab" * 3000}, 400, "too long: its 6000 characters make at "
+     "least", "prompt"),
+    # Lone surrogates (JSON escapes that are no Unicode text), wherever text goes.
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "lone surrogate",
+     "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', 400,
+     "lone surrogate", "messages[0].content"),
+    ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud800"]}', 400, "lone surrogate",
+     "stop"),
+    ("/v1/completions", b'{"prompt": "a", "model": "\\ud800"}', 400, "lone surrogate",
+     "model"),
+    # What Python's json reads but must not crash on: deep nesting, huge integers, NaN.
+    ("/v1/completions", b'{"prompt": "a", "junk": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
+     "nested too deeply", None),
+    ("/v1/completions", b'{"prompt": "a", "junk": ' + b"9" * 5000 + b"}", 400,
+     "integer too long", None),
+    ("/v1/completions", b'{"prompt": "a", "temperature": NaN}', 400, "NaN is not a JSON number",
+     None),
+    ("/v1/completions", b'{"prompt": "a", "temperature": 1e400}', 400, "must be a finite "
+     "number", "temperature"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**70, "temperature": 1}, 400,
+     "seed must be between", "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": -(2**70), "temperature": 1}, 400,
+     "seed must be between", "seed"),
     ("/v1/chat/completions", {"messages": [], "max_tokens": 4}, 400, "non-empty", "messages"),
     ("/v1/chat/completions", {"max_tokens": 4}, 400, "'messages' is required", "messages"),
     ("/v1/chat/completions", {"messages": ["hi"]}, 400, "must be an object", "messages[0]"),
@@ -367,6 +395,67 @@ def test_bad_input_is_refused_and_the_next_request_works(A, case):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert part in err["message"] and err["param"] == param
+    ok_request(A)
+
+
+def test_request_body_limit_gives_413_before_the_body_is_read(A):
+    big = {"model": NAME, "prompt": "a" * A_BODY_LIMIT, "max_tokens": 2}
+    r = httpx.post(A.url + "/v1/completions", json=big, timeout=30)
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and "--max-request-bytes" in err["message"]
+
+    def chunks():  # no Content-Length: the limit applies as the body arrives
+        yield b'{"prompt": "'
+        for _ in range(A_BODY_LIMIT // 4096 + 2):
+            yield b"a" * 4096
+        yield b'"}'
+
+    r = httpx.post(A.url + "/v1/completions", content=chunks(), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    ok_request(A)
+
+
+def test_tiny_temperature_is_greedy_and_no_max_tokens_takes_the_default(A, ref):
+    want, _ = ref.run(ref.ids("def f(x):"), 8, 3)
+    body = {"model": NAME, "prompt": "def f(x):", "max_tokens": 8}
+    for t in (1e-300, 1e-6):
+        r = httpx.post(A.url + "/v1/completions", json={**body, "temperature": t}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    # A's --default-max-tokens 16 caps a request that names no max_tokens.
+    r = httpx.post(A.url + "/v1/completions", timeout=30, json={
+        "model": NAME, "prompt": "abc", "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_control_token_spellings_in_chat_stay_text(A, ref):
+    content = "say<eos>more"
+    msgs = [{"role": "user", "content": content}]
+    ids = ref.tok.chat_ids(msgs)
+    assert ref.tok.eos_token_id not in ids  # spelled out, character by character
+    assert ref.tok.eos_token_id in ref.tok.chat_ids(msgs, special_text=False)
+    want, _ = ref.run(ids, 6, 3)
+    r = A.client().chat.completions.create(model=NAME, messages=msgs, max_tokens=6,
+                                           temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_stalled_headers_are_cut_off(A):
+    # A connection that never finishes its request head is closed after --header-timeout
+    # (2 s on A); one that is served is not.
+    with socket.create_connection(("127.0.0.1", A.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-")
+        s.settimeout(20)
+        t0 = time.monotonic()
+        assert s.recv(100) == b""  # closed by the server, not by our timeout
+        assert 1.5 < time.monotonic() - t0 < 15
+    with httpx.Client(base_url=A.url, timeout=30) as c:  # a kept-alive client
+        for _ in range(2):
+            r = c.post("/v1/completions", json={"model": NAME, "prompt": "abc",
+                                                 "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200
     ok_request(A)
 
 
@@ -544,6 +633,13 @@ def test_sigterm_under_load(C, ref):
         time.sleep(0.01)
     kids = _children(C.proc.pid)
     C.proc.send_signal(signal.SIGTERM)
+    # Draining: the socket stays open, new requests and /health get 503 (what load
+    # balancers expect) while the requests in flight end.
+    r = httpx.post(C.url + "/v1/completions", timeout=10,
+                   json={"model": NAME, "prompt": "late", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+    h = httpx.get(C.url + "/health", timeout=10)
+    assert h.status_code == 503 and h.json()["status"] == "draining"
     C.proc.wait(30)
     assert C.proc.returncode in (0, -signal.SIGTERM), C.log()
     for t in threads:
@@ -717,7 +813,9 @@ def test_engine_failure_gives_500_and_the_engine_goes_on(ref, model_dir):
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 500
             assert r.json()["error"]["code"] == "internal_error"
-            assert "injected fault" in r.json()["error"]["message"]
+            # No Python internals reach the client; the log keeps them.
+            msg = r.json()["error"]["message"]
+            assert "server log" in msg and "fault" not in msg and "RuntimeError" not in msg
             r = await c.post("/v1/completions", json={**body, "stream": True})
             lines = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
             assert lines[-1] == "[DONE]"

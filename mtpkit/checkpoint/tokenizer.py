@@ -9,8 +9,10 @@ does), followed by the byte-level alphabet mapping.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import warnings
 from datetime import datetime
 from pathlib import Path
@@ -234,6 +236,7 @@ class Tokenizer:
         self.pre = pre  # llama.cpp pre-tokenizer name, needed to write the tokenizer to GGUF
         self.source = source
         self._template: jinja2.Template | None = None
+        self._plain: _Backend | None = None
 
     # -- construction ----------------------------------------------------------------------
 
@@ -394,9 +397,14 @@ class Tokenizer:
         """Text of a token id as the vocabulary spells it."""
         return self.backend.id_to_token(token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; BOS/EOS added only when the checkpoint asks for them."""
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True,
+               special_text: bool = False) -> list[int]:
+        """Token ids of ``text``; BOS/EOS added only when the checkpoint asks for them.
+        ``special_text``: spellings of control tokens (``<|im_start|>``) stay plain text."""
+        backend = self._plain_backend() if special_text else self.backend
+        # encode_batch releases the GIL (encode holds it): a server tokenizing a long prompt
+        # in a worker thread keeps answering other clients meanwhile.
+        ids = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens:
             # The post-processor of some tokenizer.json files adds BOS already; never twice.
             if self.add_bos_token and self.bos_token_id is not None:
@@ -405,6 +413,56 @@ class Tokenizer:
             if self.add_eos_token and self.eos_token_id is not None:
                 if not ids or ids[-1] != self.eos_token_id:
                     ids = [*ids, self.eos_token_id]
+        return ids
+
+    def _plain_backend(self) -> _Backend:
+        # A copy, so that the shared backend's setting never changes under another thread.
+        if self._plain is None:
+            plain = _Backend.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
+
+    @functools.cached_property
+    def added_texts(self) -> tuple[str, ...]:
+        """The texts that encode to one added (control) token each."""
+        return tuple(t.content for t in self.backend.get_added_tokens_decoder().values()
+                     if t.content)
+
+    @functools.cached_property
+    def max_piece_chars(self) -> int:
+        """The longest vocabulary entry, in characters: a token never covers more characters
+        of the text, before normalization (byte-level pieces spell one character a byte)."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+
+    def chat_ids(self, messages: list[dict], special_text: bool = True) -> list[int]:
+        """Token ids of ``messages`` under the chat template, ready for a reply.
+        ``special_text``: control-token spellings inside message contents stay plain text, so
+        a user cannot forge role markers; the template's own markers are control tokens."""
+        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        # The template wrote any BOS token it wants.
+        if not special_text or not any(a in m["content"] for m in messages
+                                       for a in self.added_texts):
+            return self.encode(text, add_special_tokens=False)
+        # Render again with a marker in place of each content, then encode the template's
+        # text and the contents apart. Only for messages that spell control tokens: the
+        # boundaries can tokenize differently from one pass over the whole text.
+        marks = [f"\x00{i}\x00" for i in range(len(messages))]
+        marked = self.apply_chat_template([{**m, "content": mk} for m, mk in
+                                           zip(messages, marks, strict=True)],
+                                          add_generation_prompt=True)
+        pieces = re.split("\x00(\\d+)\x00", marked)
+        if [int(i) for i in pieces[1::2]] != list(range(len(messages))):
+            raise CheckpointError(
+                "a message spells a control token and this chat template does not place "
+                "each message's content once, in order, so it cannot be kept plain text; "
+                "remove the control token from the message")
+        ids: list[int] = []
+        for j, piece in enumerate(pieces):
+            if j % 2:
+                ids += self.encode(messages[int(piece)]["content"], False, special_text=True)
+            elif piece:
+                ids += self.encode(piece, add_special_tokens=False)
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -437,8 +495,10 @@ class Tokenizer:
 
     # -- export ----------------------------------------------------------------------------
 
-    def gguf_vocab(self) -> dict:
-        """The ``tokenizer.ggml.*`` fields of this tokenizer (byte-level BPE only)."""
+    def gguf_vocab(self, size: int | None = None) -> dict:
+        """The ``tokenizer.ggml.*`` fields of this tokenizer (byte-level BPE only), the token
+        list padded to ``size`` (the model's vocab_size: llama.cpp takes the vocabulary size
+        from the list's length and checks the embedding against it)."""
         data = json.loads(self.backend.to_str())
         model = data.get("model", {})
         decoder = json.dumps(data.get("decoder"))
@@ -453,7 +513,11 @@ class Tokenizer:
                 f"tokenizer.pre to one of {sorted(_PRE_SPLITS)} if you know it splits the same"
             )
         vocab = self.backend.get_vocab(with_added_tokens=True)
-        size = max(vocab.values()) + 1
+        n = max(vocab.values()) + 1
+        if size is not None and size < n:
+            raise ValueError(f"the tokenizer has token ids up to {n - 1}, more than the "
+                             f"model's vocab_size {size}")
+        size = max(n, size or 0)
         tokens = [f"[PAD{i}]" for i in range(size)]  # llama.cpp's filler for unused ids
         types = [_UNUSED] * size
         for text, i in vocab.items():

@@ -11,6 +11,11 @@ class SamplingError(ValueError):
     """A sampling setting is out of range."""
 
 
+# Temperatures this small are greedy decoding (as vLLM treats them): logits divided by them
+# overflow to inf and the probabilities to NaN, and the distribution is the argmax anyway.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding settings (temperature 0 means greedy)."""
@@ -25,8 +30,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when decoding takes the argmax."""
-        return self.temperature == 0.0
+        """True when decoding takes the argmax (temperature below GREEDY_BELOW)."""
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         """Raise SamplingError naming the first bad setting."""
@@ -38,6 +43,9 @@ class SamplingParams:
             raise SamplingError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise SamplingError(f"seed must be between -2**63 and 2**64-1 (a 64-bit integer), "
+                                f"got {self.seed}")
 
 
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

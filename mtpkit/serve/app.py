@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -53,6 +54,11 @@ class ServeConfig:
     full_draft_vocab: bool = False
     stall_timeout: float = 120.0
     shutdown_timeout: float = 10.0
+    max_request_bytes: int = 4 << 20  # larger bodies get 413 before they are read
+    default_max_tokens: int = 2048  # for requests that give none; 0: the rest of the context
+    header_timeout: float = 30.0  # a connection must send a request's headers within this
+    max_connections: int = 1024  # open connections; more get 503
+    chat_special_tokens: str = "text"  # "parse": control-token spellings in messages count
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -70,6 +76,15 @@ class ServeConfig:
             (self.shutdown_timeout >= 0,
              f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}"),
             (self.api_key is None or self.api_key != "", "--api-key must not be empty"),
+            (self.max_request_bytes >= 1024,
+             f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}"),
+            (self.default_max_tokens >= 0,
+             f"--default-max-tokens must be >= 0, got {self.default_max_tokens}"),
+            (self.header_timeout > 0, f"--header-timeout must be > 0, got {self.header_timeout}"),
+            (self.max_connections >= 1,
+             f"--max-connections must be >= 1, got {self.max_connections}"),
+            (self.chat_special_tokens in ("text", "parse"),
+             f"--chat-special-tokens must be text or parse, got {self.chat_special_tokens!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -91,7 +106,11 @@ class ServerState:
         self.load_error: str | None = None
         self.created = int(time.time())
         self.on_fatal = lambda: None  # set by run(): stops the server
+        self.on_drained = lambda: None  # set by run(): ends the server after a drain
         self.shutting_down = False
+        # Parsing and tokenizing run here, never on the event loop: a long prompt must not
+        # hold up /health or other clients' streams. Two threads bound what a flood can take.
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="mtpkit-tokenize")
 
     # -- loading (a thread of its own) ------------------------------------------------------
     def load(self) -> None:
@@ -142,21 +161,27 @@ class ServerState:
         log.info("model %s loaded in %.1f s: %d draft tokens per step, %d slots, context %d, "
                  "%s", self.name, time.perf_counter() - t0, k, cfg.max_num_seqs, max_len, how)
 
-    def begin_shutdown(self) -> None:
-        """SIGTERM/SIGINT: refuse new requests now, abort those still running after the grace
-        period (their streams end with an error event and [DONE])."""
-        if self.shutting_down:
-            return
-        self.shutting_down = True
+    def begin_shutdown(self) -> bool:
+        """SIGTERM/SIGINT: answer new requests 503 while those in flight finish, abort what
+        still runs after --shutdown-timeout (streams end with an error event and [DONE]),
+        then call on_drained. False when there is nothing to drain (exit at once)."""
         sched = self.sched
-        if sched is None:
-            return
+        if self.shutting_down or sched is None:
+            return False
+        self.shutting_down = True
         sched.drain()
         log.info("shutting down: in-flight requests have %g s to finish",
                  self.cfg.shutdown_timeout)
-        timer = threading.Timer(self.cfg.shutdown_timeout, sched.stop)
-        timer.daemon = True
-        timer.start()
+        threading.Thread(target=self._drain, args=(sched,), name="mtpkit-drain",
+                         daemon=True).start()
+        return True
+
+    def _drain(self, sched: Scheduler) -> None:
+        deadline = time.monotonic() + self.cfg.shutdown_timeout
+        while sched.num_running + sched.num_waiting and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sched.stop()
+        self.on_drained()
 
     # -- request checks ---------------------------------------------------------------------
     def check_key(self, request: Request) -> None:
@@ -193,15 +218,17 @@ class ServerState:
         """Prompt token ids (chat template for chat requests); 400 when unusable."""
         tok = self.tokenizer
         if g.chat:
+            self._fits_at_all(sum(len(m["content"]) for m in g.messages), "messages")
             try:
-                text = tok.apply_chat_template(g.messages, add_generation_prompt=True)
+                ids = tok.chat_ids(g.messages, self.cfg.chat_special_tokens == "text")
             except Exception as e:  # no template, or the template refused the messages
                 raise P.bad(f"cannot apply the chat template: {e}", "messages") from None
-            # The template wrote any BOS token it wants.
-            ids = tok.encode(text, add_special_tokens=False)
         elif isinstance(g.prompt, str):
+            self._fits_at_all(len(g.prompt), "prompt")
             ids = tok.encode(g.prompt)
         else:
+            if len(g.prompt) > self.max_model_len:
+                raise self._too_long(len(g.prompt), "prompt")
             ids = list(g.prompt)
             bad_ids = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad_ids:
@@ -212,18 +239,59 @@ class ServerState:
                         "messages" if g.chat else "prompt")
         return ids
 
+    def _fits_at_all(self, chars: int, param: str) -> None:
+        # A token covers at most max_piece_chars characters (twice that allows for
+        # normalizers that compose characters), so a text this long cannot fit: refused
+        # without tokenizing it.
+        least = chars // (2 * self.tokenizer.max_piece_chars)
+        if least > self.max_model_len:
+            raise P.bad(f"the prompt is too long: its {chars} characters make at least "
+                        f"{least} tokens, and this model's context is {self.max_model_len} "
+                        "tokens. Shorten the prompt.", param, code="context_length_exceeded")
+
+    def _too_long(self, n_prompt: int, param: str) -> P.APIError:
+        return P.bad(f"the prompt has {n_prompt} tokens, which leaves no room for output in "
+                     f"this model's context of {self.max_model_len} tokens. Shorten the "
+                     "prompt.", param, code="context_length_exceeded")
+
     def fit(self, g: P.GenRequest, n_prompt: int) -> int:
-        """max_tokens for this prompt (the rest of the context when not given); 400 if over."""
+        """max_tokens for this prompt (when not given: --default-max-tokens, at most the rest
+        of the context); 400 if over."""
         room = self.max_model_len - n_prompt
-        max_tokens = g.max_tokens if g.max_tokens is not None else room
-        if n_prompt + max_tokens > self.max_model_len or max_tokens < 1:
+        if g.max_tokens is None:
+            if room < 1:
+                raise self._too_long(n_prompt, "messages" if g.chat else "prompt")
+            cap = self.cfg.default_max_tokens
+            return min(room, cap) if cap else room
+        if g.max_tokens > room:
             name = "max_completion_tokens" if g.chat else "max_tokens"
             raise P.bad(
                 f"this model's context is {self.max_model_len} tokens; the prompt has "
-                f"{n_prompt} and {max_tokens} more were asked for. Shorten the prompt or "
-                f"lower {name}.", name if g.max_tokens is not None else
-                ("messages" if g.chat else "prompt"), code="context_length_exceeded")
-        return max_tokens
+                f"{n_prompt} and {g.max_tokens} more were asked for. Shorten the prompt or "
+                f"lower {name}.", name, code="context_length_exceeded")
+        return g.max_tokens
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, or 413 once it passes --max-request-bytes (before reading it,
+        when Content-Length says so)."""
+        limit = self.cfg.max_request_bytes
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > limit:
+            raise _too_large(int(size), limit)
+        chunks, total = [], 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise _too_large(None, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _too_large(size: int | None, limit: int) -> P.APIError:
+    what = f"of {size} bytes " if size is not None else ""
+    return P.APIError(413, f"the request body {what}is over this server's limit of {limit} "
+                           "bytes (--max-request-bytes); send a shorter prompt",
+                      code="request_too_large")
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -255,6 +323,9 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "failed", "message": state.load_error}, 503)
         if state.sched is None:
             return JSONResponse({"status": "loading"}, 503)
+        if state.shutting_down:
+            return JSONResponse({"status": "draining", "message": "the server is shutting "
+                                 "down"}, 503)
         if not state.sched.alive:
             return JSONResponse({"status": "stopped", "message": "the engine has stopped"},
                                 503)
@@ -293,13 +364,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def generate(request: Request, chat: bool):
         try:
             state.check_key(request)
-            body = P.parse_json(await request.body())
-            g = P.parse_chat(body) if chat else P.parse_completion(body)
+            raw = await state.read_body(request)
+            loop = asyncio.get_running_loop()
+            g = await loop.run_in_executor(state.pool, _parse, raw, chat)
             state.check_model(g.model)
             sched = state.ready()
-            ids = state.tokenize(g)
+            ids = await loop.run_in_executor(state.pool, state.tokenize, g)
             g.params.max_tokens = state.fit(g, len(ids))
-            loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
             req = EngineRequest(P.new_id(chat), ids, g.params,
                                 lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
@@ -392,12 +463,50 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _parse(raw: bytes, chat: bool) -> P.GenRequest:
+    body = P.parse_json(raw)
+    return P.parse_chat(body) if chat else P.parse_completion(body)
+
+
 async def _disconnected(request: Request) -> None:
     """Return when the client of a (fully read) request hangs up."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _protocol(header_timeout: float):
+    """uvicorn's h11 protocol with a deadline for each request's headers: uvicorn itself
+    holds a connection that stalls mid-headers forever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol, h11
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            if getattr(self, "_head_timer", None) is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if getattr(self, "_head_timer", None) is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(header_timeout, self._head_due)
+
+        def _head_due(self) -> None:
+            self._head_timer = None
+            # Still no complete request head: close (a request being served is not touched).
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -429,18 +538,25 @@ def run(cfg: ServeConfig) -> int:
     # running after --shutdown-timeout, which ends every stream with an error event.
     config = uvicorn.Config(create_app(state), log_level=cfg.log_level, lifespan="on",
                             timeout_graceful_shutdown=cfg.shutdown_timeout + 5,
-                            access_log=level == "DEBUG")
+                            access_log=level == "DEBUG", http=_protocol(cfg.header_timeout),
+                            limit_concurrency=cfg.max_connections)
+
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            state.begin_shutdown()
-            super().handle_exit(sig, frame)
+            # The first signal drains: the socket stays open and new requests get 503 until
+            # those in flight are done (what load balancers expect). A second one, or one
+            # with nothing to drain, exits now.
+            if not state.begin_shutdown():
+                if state.sched is not None:
+                    threading.Thread(target=state.sched.stop, daemon=True).start()
+                super().handle_exit(sig, frame)
 
     server = _Server(config)
 
     def fatal() -> None:
         server.should_exit = True
 
-    state.on_fatal = fatal
+    state.on_fatal = state.on_drained = fatal
     host, port = sock.getsockname()[:2]
     log.info("listening on http://%s:%d (model %s loading)", host, port, state.name)
     with contextlib.closing(sock):

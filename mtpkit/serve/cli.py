@@ -47,6 +47,21 @@ def add_parser(sub) -> None:
                         "progress for this many seconds (default 120)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default 10)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="largest request body accepted; larger ones get 413 (default 4 MiB)")
+    p.add_argument("--default-max-tokens", type=int, default=2048,
+                   help="output limit of a request that sets no max_tokens (default 2048; "
+                        "0: the rest of the context)")
+    p.add_argument("--header-timeout", type=float, default=30.0,
+                   help="seconds a connection has to send a request's headers before it is "
+                        "closed (default 30)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections served at once; requests over it get 503 "
+                        "(default 1024)")
+    p.add_argument("--chat-special-tokens", choices=["text", "parse"], default="text",
+                   help="control-token spellings (<|im_start|>) in chat messages: plain text "
+                        "(default, so a user cannot forge role markers) or control tokens "
+                        "(parse, as vLLM does); /v1/completions prompts always parse them")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     from ..cli import threads_arg
@@ -65,7 +80,10 @@ def _cmd_serve(a) -> int:
         prefill_chunk=a.prefill_chunk, packed=not a.no_packed, compile=a.compile,
         device=a.device, dtype=a.dtype,
         full_draft_vocab=a.full_draft_vocab, stall_timeout=a.stall_timeout,
-        shutdown_timeout=a.shutdown_timeout, log_level=a.log_level,
+        shutdown_timeout=a.shutdown_timeout, max_request_bytes=a.max_request_bytes,
+        default_max_tokens=a.default_max_tokens, header_timeout=a.header_timeout,
+        max_connections=a.max_connections, chat_special_tokens=a.chat_special_tokens,
+        log_level=a.log_level,
     )
     cfg.validate()
     if a.model is not None:

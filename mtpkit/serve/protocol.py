@@ -8,6 +8,7 @@ number, ``true`` is not an integer), and the checks read top to bottom like the 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -51,12 +52,24 @@ class GenRequest:
     include_usage: bool
 
 
+def _no_constant(name: str):
+    # Python's json reads NaN and Infinity, which JSON does not have.
+    raise bad(f"the request body is not valid JSON: {name} is not a JSON number",
+              code="invalid_json")
+
+
 def parse_json(raw: bytes) -> dict:
     """The request body as a JSON object, or a 400."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise bad("the request body is nested too deeply to read", code="invalid_json") \
+            from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except ValueError:  # Python's limit on integer-string conversion
+        raise bad("the request body holds an integer too long to read (over 4300 digits)",
+                  code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {_kind(body)}")
     return body
@@ -73,7 +86,23 @@ def _number(body: dict, name: str, default: float | None) -> float | None:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise bad(f"invalid type for '{name}': expected a number, got {_kind(v)}", name)
-    return float(v)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):  # 1e400 reads as infinity
+        raise bad(f"'{name}' must be a finite number, got {v}", name)
+    return f
+
+
+def _text(v: str, name: str) -> str:
+    """``v``, or a 400 when it cannot be encoded (JSON's "\\ud800" gives a lone surrogate)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"'{name}' is not valid Unicode text: it holds a lone surrogate "
+                  f"({v[e.start]!a}) at character {e.start}", name) from None
+    return v
 
 
 def _int(body: dict, name: str, default: int | None) -> int | None:
@@ -104,7 +133,7 @@ def _stop(body: dict) -> list[str]:
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise bad("invalid type for 'stop': expected a string or an array of strings", "stop")
-    return [s for s in v if s]
+    return [_text(s, "stop") for s in v if s]
 
 
 def _unsupported(body: dict, chat: bool) -> None:
@@ -144,6 +173,8 @@ def _common(body: dict, chat: bool) -> tuple[SamplingParams, int | None, bool, b
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad(f"invalid type for 'model': expected a string, got {_kind(model)}", "model")
+    if model is not None:
+        _text(model, "model")
     _unsupported(body, chat)
     stream = _bool(body, "stream", False)
     so = body.get("stream_options")
@@ -200,6 +231,8 @@ def parse_completion(body: dict) -> GenRequest:
     elif not isinstance(prompt, str):
         raise bad(f"invalid type for 'prompt': expected a string or an array of token ids, "
                   f"got {_kind(prompt)}", "prompt")
+    else:
+        _text(prompt, "prompt")
     params, max_tokens, stream, usage = _common(body, chat=False)
     return GenRequest(False, body.get("model"), prompt, None, params, max_tokens, stream, usage)
 
@@ -239,11 +272,12 @@ def _message(m, i: int) -> dict:
     if not isinstance(content, str):
         raise bad(f"{where}.content must be a string or an array of text parts, got "
                   f"{_kind(content)}", f"{where}.content")
+    _text(content, f"{where}.content")
     if m.get("tool_calls"):
         raise bad(f"{where}: tool calls are not supported", f"{where}.tool_calls")
     out = {"role": role, "content": content}
     if isinstance(m.get("name"), str):
-        out["name"] = m["name"]
+        out["name"] = _text(m["name"], f"{where}.name")
     return out
 
 

@@ -254,7 +254,9 @@ class _Worker:
             return ("aborted", req.abort_reason)
         log.error("request %s failed in the engine", req.id, exc_info=e)
         req.finish_reason = "error"
-        return ("error", f"internal error in the engine: {type(e).__name__}: {e}")
+        # The client gets no Python internals; the log has the traceback under this id.
+        return ("error", f"internal error in the engine while serving {req.id}; the server "
+                         "log has the details")
 
     def _close(self, final: tuple | None) -> None:
         # Count the request as finished (before its last event: /metrics then agrees with
