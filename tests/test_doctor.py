@@ -604,3 +604,17 @@ def test_measure_verdicts():
     judge(rep, Measurement("x", [], 0, False, "no head"))
     assert rep.codes() == {"measure-failed"}
 
+
+
+@pytest.mark.parametrize("mtp, flagged", [("w8a16", False), ("same", True)])
+def test_head_bits_come_from_the_heads_own_config_group(fx, capsys, tmp_path, mtp, flagged):
+    # A --mtp w8a16 head under a w4a16 trunk is int8: its own config group says so (the
+    # first group, the trunk's, says 4 bits).
+    if not HAVE_QUANT:
+        pytest.skip("mtpkit.quant is not importable yet")
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(fx.source("qwen3_5_vlm")), "--scheme", "w4a16",
+                 "--group-size", "32", "--mtp", mtp, "--out", str(out)]) == 0
+    capsys.readouterr()
+    _, rep, _ = run_cli(capsys, "doctor", str(out))
+    assert ("int4-mtp-head" in codes(rep)) == flagged, rep["findings"]

@@ -932,6 +932,38 @@ def test_gguf_output_keeps_the_nextn_layers(checkpoint_factory, tmp_path):
     assert list(engine.generate(ids, p, 3)) == list(engine.generate(ids, p, 0))
 
 
+@pytest.mark.parametrize("mtp, head_type", [("keep", "F32"), ("same", "Q4_0"),
+                                             ("w8a16", "Q8_0")])
+def test_gguf_head_precision_as_asked(checkpoint_factory, tmp_path, mtp, head_type):
+    from mtpkit.checkpoint.gguf import open_gguf
+
+    src = checkpoint_factory("qwen3_5_vlm")  # stored in float32: "keep" keeps F32
+    dest = tmp_path / "m.gguf"
+    _quantize(src, dest, "--format", "gguf", "--gguf-type", "Q4_0", "--mtp", mtp)
+    g = open_gguf(dest)
+    head = [n for n in g.tensor_names() if n.startswith("mtp.") and n.endswith("proj.weight")]
+    trunk = [n for n in g.tensor_names() if n.startswith("model.layers.")
+             and n.endswith("mlp.up_proj.weight")]
+    assert head and trunk
+    assert {g.tensor_type(n) for n in head} == {head_type}
+    assert {g.tensor_type(n) for n in trunk} == {"Q4_0"}
+
+
+@pytest.mark.parametrize("qtype", ["F16", "F32"])
+def test_gguf_unquantized_output(checkpoint_factory, tmp_path, qtype):
+    src = checkpoint_factory("qwen3_5_vlm")
+    dest = tmp_path / "m.gguf"
+    _quantize(src, dest, "--format", "gguf", "--gguf-type", qtype)
+    q, _ = _load(dest)
+    ref, _ = _load(src)
+    ids = list(range(3, 15))
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    got = list(Engine(q.model).generate(ids, p, 2))
+    assert got == list(Engine(q.model).generate(ids, p, 0))
+    if qtype == "F32":  # the same weights: the same tokens as the safetensors checkpoint
+        assert got == list(Engine(ref.model).generate(ids, p, 2))
+
+
 def test_quantized_linear_weight_bytes_shrink():
     layer = _int_layer(4, 32, False, False)
     assert layer.weight_bytes < 96 * 256 * 4 / 6
@@ -1096,18 +1128,87 @@ def test_lm_head_same_quantizes_the_lm_head(checkpoint_factory, tmp_path, fam, s
     assert res.metrics.num_drafts > 0
 
 
-def test_lm_head_the_scheme_cannot_take_stays_tied(checkpoint_factory, tmp_path, capsys):
-    """`--lm-head same` with a group size the lm_head's width does not divide keeps it tied
-    (no float copy written beside the embedding) and says so."""
+def test_lm_head_the_scheme_cannot_take_stays_tied(checkpoint_factory, tmp_path, capsys,
+                                                  monkeypatch):
+    """`--lm-head same` where the kernels cannot take the lm_head's shape (here: made so
+    for its vocab x width) keeps it tied (no float copy written beside the embedding) and
+    says so."""
     src = checkpoint_factory("llama_tied")
-    width = json.loads((src / "config.json").read_text())["hidden_size"]
+    cfg = json.loads((src / "config.json").read_text())
+    head_shape = (cfg["vocab_size"], cfg["hidden_size"])
+    fits = Scheme.fits
+    monkeypatch.setattr(Scheme, "fits", lambda self, n, k: (n, k) != head_shape
+                        and fits(self, n, k))
     out = tmp_path / "q"
-    _quantize(src, out, "--scheme", "w4a16", "--group-size", str(width * 2), "--lm-head", "same")
+    _quantize(src, out, "--scheme", "w4a16", "--group-size", "32", "--lm-head", "same")
     assert "lm_head was kept unquantized" in capsys.readouterr().err
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True
     names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert not [n for n in names if n.startswith("lm_head.")]
+
+
+def _wide_llama(out):
+    """A tiny Llama whose width (192) 128 does not divide (as SmolLM2's 576), its MLP's
+    (384) 128 does."""
+    from tiny import Family, write_checkpoint
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=192, intermediate_size=384,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, tie_word_embeddings=False)
+    write_checkpoint(Family("wide", lambda: LlamaForCausalLM(cfg)), out)
+    return out
+
+
+def test_default_group_size_fits_each_layer_and_explicit_misfits_are_refused(tmp_path,
+                                                                            capsys):
+    """w4a16 by default gives each layer the largest of 128, 64, 32 dividing its input size
+    (every Linear quantized, said in one line; the config names the group-64 layers, the
+    engine's fused names and those on disk); an explicit size that does not divide some
+    layers is refused before anything is written, naming the count, sizes and fixes."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    src = _wide_llama(tmp_path / "wide")
+    before = {f.name: f.read_bytes() for f in src.iterdir()}
+    out = tmp_path / "q"
+    _quantize(src, out, "--scheme", "w4a16")
+    err = capsys.readouterr().err
+    # 2 layers x (q, k, v, o, gate, up) of input 192 at group 64; 2 down_proj at 128.
+    assert "14 modules w4a16 g128, 1 kept unquantized" in err  # the lm_head (--lm-head keep)
+    assert ("note: group size 64 for 12 layers whose input size (192) 128 does not divide"
+            in err)
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = QuantizationConfig.model_validate(qcfg).config_groups
+    assert groups["group_0"].targets == ["Linear"] and groups["group_0"].weights.group_size == 128
+    assert groups["group_1"].weights.group_size == 64
+    named = set(groups["group_1"].targets)
+    assert {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.q_proj",
+            "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.up_proj"} <= named
+    assert not [n for n in named if "down_proj" in n]
+    q, notes = _load(out)
+    layers = {n: m for n, m in q.model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(layers) == 14 and not [n for n in notes if "unquantized although" in n]
+    assert layers["model.layers.0.mlp.down_proj"].group_size == 128
+    assert layers["model.layers.0.self_attn.o_proj"].group_size == 64
+    ref = _fake_quant_reference(src, q)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = ref.model.logits(ref.model(ids).hidden)
+        b = q.model.logits(q.model(ids).hidden)
+    assert (a - b).abs().max() < 2e-2 * a.abs().max()
+
+    refused = tmp_path / "refused"
+    assert main(["quantize", "--model", str(src), "--out", str(refused), "--scheme",
+                 "w4a16", "--group-size", "128"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: group size 128 does not divide "
+                                                    "the input size (192) of 12 layers")
+    assert "--group-size 64, which divides every layer's" in err
+    assert not refused.exists() and not list(tmp_path.glob(".refused*"))
+    assert {f.name: f.read_bytes() for f in src.iterdir()} == before
+    _quantize(src, tmp_path / "g64", "--scheme", "w4a16", "--group-size", "64")
+    assert "14 modules w4a16 g64, 1 kept" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("scheme", [Scheme("w8a8"), Scheme("w8a16"), Scheme("w4a16", 64),

@@ -71,11 +71,11 @@ def _qwen3_next(moe: bool):
     return Qwen3NextForCausalLM(cfg)
 
 
-def _qwen3_5():
+def _qwen3_5(vocab_size: int = VOCAB):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,

@@ -783,6 +783,14 @@ def _encode(t: torch.Tensor, qtype: GGMLQuantizationType) -> np.ndarray:
     return gguf.quants.quantize(arr, qtype)
 
 
+def _partial_rotary(cfg: dict) -> float:
+    """The rotated fraction of each head: transformers 5 configs keep it in rope_parameters."""
+    for where in (cfg, cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}):
+        if where.get("partial_rotary_factor") is not None:
+            return float(where["partial_rotary_factor"])
+    return 1.0
+
+
 def _write_metadata(
     w: GGUFWriter, arch: str, cfg: dict, n_layer: int, n_mtp: int, vocab_size: int | None
 ) -> None:
@@ -804,7 +812,7 @@ def _write_metadata(
         if cfg.get("head_dim") is not None:
             w.add_key_length(int(head_dim))
             w.add_value_length(int(head_dim))
-        rope_dim = int(head_dim * float(cfg.get("partial_rotary_factor", 1.0)))
+        rope_dim = int(head_dim * _partial_rotary(cfg))
         w.add_rope_dimension_count(rope_dim)
     if (theta := _rope_theta(cfg)) is not None:
         w.add_rope_freq_base(theta)
@@ -847,8 +855,8 @@ def _write_metadata(
                 add(int(cfg[key]))
 
 
-def _write_tokenizer(w: GGUFWriter, tokenizer: Tokenizer) -> None:
-    vocab = tokenizer.gguf_vocab()
+def _write_tokenizer(w: GGUFWriter, tokenizer: Tokenizer, vocab_size: int | None) -> None:
+    vocab = tokenizer.gguf_vocab(vocab_size)
     w.add_tokenizer_model(vocab["model"])
     w.add_tokenizer_pre(vocab["pre"])
     w.add_token_list(vocab["tokens"])
@@ -877,17 +885,12 @@ def write_gguf(
     tensors: dict[str, torch.Tensor],
     tokenizer: Tokenizer | None = None,
     qtype: str = "F32",
+    mtp_qtype: str | None = None,
 ) -> None:
-    """Write HF-named tensors as a llama.cpp-style GGUF file (atomically: temp file + rename)."""
-    try:
-        q = GGMLQuantizationType[qtype.upper()]
-    except KeyError:
-        raise ValueError(f"qtype {qtype!r} is not one of {', '.join(_FILE_TYPES)}") from None
-    if qtype.upper() not in _FILE_TYPES:
-        raise ValueError(
-            f"qtype {qtype!r}: the gguf package cannot quantize to it; use one of "
-            f"{', '.join(_FILE_TYPES)}"
-        )
+    """Write HF-named tensors as a llama.cpp-style GGUF file (atomically: temp file + rename);
+    the MTP (nextn) layers' matrices in ``mtp_qtype`` when given, else in ``qtype``."""
+    q = _qtype(qtype)
+    q_mtp = _qtype(mtp_qtype) if mtp_qtype is not None else q
     n_layer = int(hf_config["num_hidden_layers"])
     n_mtp = _count_mtp(hf_config, list(tensors), n_layer)
     if arch in _QWEN_NEXT and _config_linear(hf_config) is None:
@@ -919,9 +922,11 @@ def write_gguf(
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _write_metadata(w, arch, hf_config, n_layer, n_mtp, vocab_size)
         if tokenizer is not None:
-            _write_tokenizer(w, tokenizer)
+            _write_tokenizer(w, tokenizer, vocab_size)
         for gname, t in out.items():
-            tq = GGMLQuantizationType.F32 if _keep_f32(gname, t) else q
+            bid = re.match(r"blk\.(\d+)\.", gname)
+            tq = q_mtp if bid and int(bid.group(1)) >= n_layer else q
+            tq = GGMLQuantizationType.F32 if _keep_f32(gname, t) else tq
             block = gguf.GGML_QUANT_SIZES[tq][0]
             if t.shape[-1] % block:
                 tq = GGMLQuantizationType.F32  # rows that do not fill whole blocks stay exact
@@ -936,6 +941,19 @@ def write_gguf(
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _qtype(name: str) -> GGMLQuantizationType:
+    if name.upper() not in _FILE_TYPES:
+        raise ValueError(f"GGUF type {name!r}: mtpkit writes {', '.join(_FILE_TYPES)} (the "
+                         "gguf package quantizes to these; k-quants need llama.cpp's own "
+                         "llama-quantize, run on an F16 file)")
+    return GGMLQuantizationType[name.upper()]
+
+
+def file_types() -> list[str]:
+    """The GGUF tensor types write_gguf can write."""
+    return list(_FILE_TYPES)
 
 
 def _full_attention_interval(cfg: dict) -> int | None:

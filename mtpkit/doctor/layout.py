@@ -217,7 +217,13 @@ def _bits(layout: HFLayout, mod: Module) -> int | None:
     """Bits per weight of a quantized module (None when unknown)."""
     p, q = mod.params, layout.quant_config
     if mod.fmt == "pack-quantized" and "weight_packed" in p:
-        for group in (q.get("config_groups") or {}).values():
+        from ..quant.formats import _covering_group
+
+        # The group that quantizes this module (a w8a16 head under a w4a16 trunk is int8),
+        # else the first that says.
+        found = _covering_group(mod.name, q)
+        groups = ([found[1]] if found else []) + list((q.get("config_groups") or {}).values())
+        for group in groups:
             bits = (group.get("weights") or {}).get("num_bits")
             if bits:
                 return int(bits)

@@ -20,8 +20,10 @@ def add_parser(sub) -> None:
                    help="weight-only int4/int8/fp8, or w8a8 / w4a8: int8 / int4 weights and "
                         "int8 activations quantized per token at run time (fastest on CPU)")
     p.add_argument("--group-size", type=int, default=None,
-                   help="w4a16: 32/64/128/256 (default 128); w4a8: the same (default 32); "
-                        "w8a16: default per channel; 0 = per channel")
+                   help="w4a16: 32/64/128/256 (default: 128, or per layer the largest of "
+                        "64, 32 that divides its input size); w4a8: the same (default 32); "
+                        "w8a16: default per channel; 0 = per channel. A size that does not "
+                        "divide a layer's input size is refused")
     p.add_argument("--asymmetric", action="store_true", help="int schemes: with zero points")
     p.add_argument("--mtp", choices=["keep", "same", "w8a16"], default="keep",
                    help="MTP head precision: keep as stored (default; BF16 heads keep their "
@@ -47,8 +49,9 @@ def add_parser(sub) -> None:
                    help="--method gptq or --smooth: calibration tokens (default 8192)")
     p.add_argument("--format", choices=["compressed-tensors", "gguf"],
                    default="compressed-tensors")
-    p.add_argument("--gguf-type", choices=["Q8_0", "Q4_0", "Q4_K"], default="Q8_0",
-                   help="--format gguf: tensor type")
+    p.add_argument("--gguf-type", choices=["F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0",
+                                           "Q4_1", "Q4_0"], default="Q8_0",
+                   help="--format gguf: tensor type (default Q8_0; --mtp sets the head's)")
     p.add_argument("--out", required=True, help="output folder (or .gguf file)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.set_defaults(func=run)
@@ -64,7 +67,9 @@ def run(a) -> int:
         from ..builtin import builtin_head, builtin_trunk
 
         model = str(builtin_trunk())
-        if a.head is None:
+        # A GGUF keeps only heads llama.cpp can load as nextn layers; the built-in head is
+        # a Llama-trunk head, which llama.cpp has no MTP loader for.
+        if a.head is None and a.format != "gguf":
             a.head = builtin_head()
     if a.format == "gguf":
         if a.head is not None:
@@ -73,7 +78,7 @@ def run(a) -> int:
         if a.lm_head != "keep":
             raise ValueError("--lm-head applies to compressed-tensors output; drop it for "
                              "--format gguf, whose writer decides the lm_head's type")
-        path = quantize_gguf(model, a.out, a.gguf_type, force=a.force)
+        path = quantize_gguf(model, a.out, a.gguf_type, force=a.force, mtp=a.mtp)
         print(f"wrote {path} ({a.gguf_type})", file=sys.stderr)
         return 0
     smooth = a.smooth
@@ -89,12 +94,20 @@ def run(a) -> int:
     rep = quantize_checkpoint(model, a.out, scheme, mtp=a.mtp, head=a.head, force=a.force,
                               method=a.method, calib_data=a.calib_data,
                               calib_tokens=a.calib_tokens, lm_head=a.lm_head, smooth=smooth,
+                              fit_groups=a.group_size is None,
                               log=lambda s: print(s, file=sys.stderr)
                               if s.startswith(("GPTQ", "SmoothQuant")) else None)
     print(f"wrote {rep.out}: {len(rep.quantized)} modules {a.scheme}"
           f"{f' g{group}' if group else ''}, {len(rep.kept)} kept unquantized "
           f"({len(rep.ignore)} ignore entries); {rep.bytes_in / 1e6:.1f} MB -> "
           f"{rep.bytes_out / 1e6:.1f} MB", file=sys.stderr)
+    by_group: dict[int, set[int]] = {}
+    for g, k in rep.regrouped.values():
+        by_group.setdefault(g, set()).add(k)
+    for g, sizes in sorted(by_group.items(), reverse=True):
+        n = sum(1 for gg, _ in rep.regrouped.values() if gg == g)
+        print(f"note: group size {g} for {n} layers whose input size "
+              f"({', '.join(map(str, sorted(sizes)))}) {group} does not divide", file=sys.stderr)
     if a.lm_head != "keep" and "lm_head" not in rep.quantized:
         print(f"note: the lm_head was kept unquantized: its shape does not fit "
               f"{a.scheme if a.lm_head == 'same' else a.lm_head}"

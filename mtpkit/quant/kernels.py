@@ -43,7 +43,9 @@ def source_digest() -> str:
 
 
 def _unsupported() -> str | None:
-    if os.environ.get("MTPKIT_INT8_KERNEL", "").lower() == "library":
+    from ..envs import get
+
+    if get("MTPKIT_INT8_KERNEL") == "library":
         return "MTPKIT_INT8_KERNEL=library"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"a {platform.machine()} CPU (the kernel is AVX2)"
@@ -66,7 +68,9 @@ _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx51
 
 def kernel_isa() -> str:
     """``avx512`` or ``avx2``: which instruction set the kernels are built for here."""
-    if os.environ.get("MTPKIT_KERNEL_ISA", "").lower() == "avx2":
+    from ..envs import get
+
+    if get("MTPKIT_KERNEL_ISA") == "avx2":
         return "avx2"
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -213,6 +217,7 @@ def int8_mm_available() -> bool:
     if "ok" not in _state:
         why = _unsupported()
         if why is None:
+            kernel_isa()  # a malformed MTPKIT_KERNEL_ISA is an error, not a failed build
             try:
                 _build()
             except Exception as exc:  # a missing compiler or ninja, a failed build

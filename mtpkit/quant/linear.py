@@ -190,8 +190,8 @@ class QuantLinear(nn.Module):
         elif x2.device.type == "cpu" and self.kind == "int":
             out = self._cpu_int(x2)
         elif x2.device.type == "cpu":
-            # Decoding e4m3 on this CPU runs at ~150 MB/s (110 ms for a 4096x4096 weight),
-            # so FP8 weights are decoded once and kept in the compute dtype: exact, but
+            # Decoding e4m3 on every call would cost far more than the GEMM itself, so FP8
+            # weights are decoded once and kept in the compute dtype: exact, but
             # without FP8's memory saving on CPU.
             w = self._prepare(("fp8", x2.dtype), lambda: self.dequantize(x2.dtype))
             out = F.linear(x2, w)
@@ -214,11 +214,11 @@ class QuantLinear(nn.Module):
         return q * self._expand(self.scale.to(dtype))
 
     def _cpu_int(self, x: torch.Tensor) -> torch.Tensor | None:
-        # torch's packed CPU kernels take bf16 activations (fp32 ones are ~10x slower, see
-        # docs/quantization.md). Their cost grows linearly with rows; past ~256 rows (a long
+        # torch's packed CPU kernels take bf16 activations (their fp32 forms are far
+        # slower). Their cost grows linearly with rows; past ~256 rows (a long
         # prefill) dequantizing once and running an fp32 GEMM is cheaper. Per-channel int8
         # takes mtpkit's own kernel where it builds (quant/kernels.py): fp32 activations,
-        # ~1.5x faster here at two rows and ~1.2x at four (the most rows measured).
+        # and faster than torch's at decoding row counts.
         if x.shape[0] > self.max_kernel_rows:
             return None
         if self.bits == 8 and self.group_size is None:
@@ -442,10 +442,10 @@ def route_rows_through_kernel(model: nn.Module, weight_dtype: torch.dtype | None
     or held in ``weight_dtype``, float16 or bfloat16); returns how many. For inference: the
     kernel has no backward.
 
-    On these CPUs torch's fp32 GEMM is slow at the row counts of decoding (2 cores, SmolLM2's
-    weights through F.linear against f32_mm, ms: 1 row 46.8 / 19.7, 2 rows 98.8 / 21.9, 4 rows
-    65.7 / 29.8, 16 rows 77.5 / 75.6, 24 rows 90.6 / 101.5), and it rounds a row differently
-    with other rows beside it, so a verified row can differ from the one-token step."""
+    torch's fp32 GEMM is slower than f32_mm at the row counts of decoding (up to about 16
+    rows; f32_mm streams the weight once per four rows, torch's blocking pays off only on
+    more), and it rounds a row differently with other rows beside it, so a verified row
+    can differ from the one-token step."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -13,11 +13,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +36,8 @@ SHARD_BYTES = 2 << 30
 # Linear modules that combine the MTP head's inputs: vLLM builds them unquantized.
 _MTP_COMBINE = ("mtp.fc.",)
 _PICKLES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# fit_groups: the group sizes a layer takes when the scheme's does not divide its input size.
+GROUP_SIZES = (128, 64, 32)
 
 
 @dataclass
@@ -45,6 +48,8 @@ class QuantizeReport:
     quantized: list[str] = field(default_factory=list)  # on-disk module names
     kept: list[str] = field(default_factory=list)  # Linear modules left unquantized
     ignore: list[str] = field(default_factory=list)
+    # Modules written with a smaller group than the scheme's (fit_groups): (group, in size).
+    regrouped: dict[str, tuple[int, int]] = field(default_factory=dict)
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -62,12 +67,15 @@ def quantize_checkpoint(
     calib_tokens: int = 8192,
     lm_head: str = "keep",
     smooth: float | str | None = None,
+    fit_groups: bool = False,
 ) -> QuantizeReport:
     """Write ``model`` quantized with ``scheme`` as a compressed-tensors folder at ``out``;
     ``head`` (a `mtpkit calibrate` folder) is merged in as the checkpoint's own ``mtp.*``;
     ``lm_head="same"`` quantizes the lm_head too (untied from the embedding if tied),
     ``"w8a16"`` as int8 weights only; ``smooth``: SmoothQuant strength for schemes with
-    int8 activations (quant/smooth.py), fitted on ``calib_data``."""
+    int8 activations (quant/smooth.py), fitted on ``calib_data``. A layer whose input size
+    the scheme's group size does not divide takes the largest of GROUP_SIZES below it that
+    does (``fit_groups``), else is refused before anything is written (ValueError)."""
     src, dst = Path(model).resolve(), Path(out).resolve()
     _check_paths(src, dst, force)
     if mtp not in MTP_MODES:
@@ -102,24 +110,27 @@ def quantize_checkpoint(
         if smooth != "auto" and not 0.0 < float(smooth) < 1.0:
             raise ValueError(f"--smooth must be in (0, 1) or auto, got {smooth}")
     layout = _Layout(ckpt)
-    if smooth is not None:
-        ckpt = _smoothed(src, head, ckpt, layout, smooth, calib_data, calib_tokens, log)
     mtp_scheme = {"keep": None, "same": scheme, "w8a16": Scheme("w8a16")}[mtp]
     head_scheme = {"keep": None, "same": scheme, "w8a16": Scheme("w8a16")}[lm_head]
+    # Planned before any work (smoothing, calibration, output): shapes decide it.
+    plan, fitted = _plan(ckpt, layout, scheme, mtp_scheme, head_scheme, fit_groups)
+    if isinstance(ckpt, _UntiedHead) and plan.get("lm_head") is None:
+        # The scheme cannot take the lm_head's shape: it stays tied, not copied.
+        ckpt = ckpt.ckpt
+        plan.pop("lm_head", None)
+    if smooth is not None:
+        ckpt = _smoothed(src, head, ckpt, layout, smooth, calib_data, calib_tokens, log)
     report = QuantizeReport(dst)
+    report.regrouped = {m: (plan[m].group_size, k) for m, k in fitted.items()
+                        if plan.get(m) is not None}
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        plan = _plan(ckpt, layout, scheme, mtp_scheme, head_scheme)
-        if isinstance(ckpt, _UntiedHead) and plan.get("lm_head") is None:
-            # The scheme cannot take the lm_head's shape: it stays tied, not copied.
-            ckpt = ckpt.ckpt
-            plan.pop("lm_head", None)
         hessians = {}
         if method == "gptq":
             hessians = _hessians(src, head, layout, plan, calib_data, calib_tokens, log)
         shards = _ShardWriter(tmp)
-        groups: dict[str, list[str]] = {}
+        groups: dict[Scheme, list[str]] = {}
         for name in ckpt.tensor_names():
             tensor = ckpt.get_tensor(name)
             report.bytes_in += tensor.numel() * tensor.element_size()
@@ -140,7 +151,7 @@ def quantize_checkpoint(
             for suffix, t in packed.items():
                 shards.add(f"{prefix}.{suffix}", t)
             report.quantized.append(prefix)
-            groups.setdefault(use.name, []).append(prefix)
+            groups.setdefault(use, []).append(prefix)
             log(f"quantized {prefix} ({use.name})")
         index = shards.finish()
         report.bytes_out = index["metadata"]["total_size"]
@@ -153,9 +164,9 @@ def quantize_checkpoint(
             for c in (config, config.get("text_config")):
                 if isinstance(c, dict) and "tie_word_embeddings" in c:
                     c["tie_word_embeddings"] = False
-        config["quantization_config"] = _quant_config(scheme, mtp_scheme, groups, report.ignore,
+        config["quantization_config"] = _quant_config(scheme, groups, report.ignore,
                                                       layout.model_type,
-                                                      head_scheme if head_done else None)
+                                                      plan["lm_head"] if head_done else None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         _copy_side_files(src, tmp)
@@ -226,12 +237,17 @@ class _Layout:
 
 
 def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None,
-          lm_head: Scheme | None = None) -> dict:
-    """On-disk Linear module -> the scheme it is written in (None: kept as stored);
-    ``lm_head``: the lm_head's scheme (None: kept)."""
+          lm_head: Scheme | None = None, fit_groups: bool = False) -> tuple[dict, dict]:
+    """(On-disk Linear module -> the scheme it is written in (None: kept as stored), the
+    modules given a smaller group by ``fit_groups`` -> their input size); ``lm_head``: the
+    lm_head's scheme (None: kept). Without ``fit_groups`` a group size that does not divide
+    a layer the scheme could otherwise take is a ValueError."""
     from ..checkpoint.runtime_names import runtime_module
 
     plan: dict[str, Scheme | None] = {}
+    fitted: dict[str, int] = {}
+    misfits: dict[str, int] = {}
+    grouped: list[int] = []  # input sizes of the layers quantized in groups
     for name in ckpt.tensor_names():
         linear = layout.linear(name)
         if linear is None:
@@ -240,10 +256,21 @@ def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None,
         use = mtp_scheme if is_mtp else lm_head if name.startswith("lm_head.") else scheme
         shape = tuple(ckpt.get_tensor(name).shape) if not hasattr(ckpt, "tensor_shape") \
             else tuple(ckpt.tensor_shape(name))
-        if (use is None or layout.is_combine(name)
-                or len(shape) != 2 or not use.fits(*shape)):
+        if use is None or layout.is_combine(name) or len(shape) != 2:
             use = None
+        elif not use.fits(*shape):
+            smaller = _smaller_group(use, *shape)
+            if smaller is None:
+                use = None  # a shape the kernels cannot take in any group size
+            elif fit_groups:
+                use, fitted[prefix] = smaller, shape[1]
+            else:
+                use, misfits[prefix] = None, shape[1]
+        if use is not None and use.group_size is not None:
+            grouped.append(shape[1])
         plan[prefix] = use
+    if misfits:
+        raise ValueError(_misfit_message(misfits, grouped, scheme))
     # The engine fuses q/k/v and gate/up into one module quantized as a whole: one shard
     # kept unquantized (a shape the kernels cannot take) keeps its siblings too.
     fused: dict[str, list[str]] = {}
@@ -255,7 +282,32 @@ def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None,
         if len(schemes) > 1:
             for m in members:
                 plan[m] = None
-    return plan
+    return plan, fitted
+
+
+def _smaller_group(use: Scheme, out_features: int, in_features: int) -> Scheme | None:
+    # ``use`` with the largest of GROUP_SIZES below its group size that makes the shape fit
+    # (None: its group size is not what keeps the shape out).
+    if use.group_size is None or in_features % use.group_size == 0:
+        return None
+    for g in GROUP_SIZES:
+        if g < use.group_size and in_features % g == 0:
+            smaller = replace(use, group_size=g)
+            return smaller if smaller.fits(out_features, in_features) else None
+    return None
+
+
+def _misfit_message(misfits: dict[str, int], grouped: list[int], scheme: Scheme) -> str:
+    # The error of a group size some layers' input sizes do not divide, with the fixes: the
+    # largest group size dividing every layer, or the per-layer default.
+    sizes = ", ".join(map(str, sorted(set(misfits.values()))))
+    every = [*misfits.values(), *grouped]
+    fits_all = next(g for g in (256, *GROUP_SIZES) if all(k % g == 0 for k in every))
+    return (f"group size {scheme.group_size} does not divide the input size ({sizes}) of "
+            f"{len(misfits)} layers (e.g. {min(misfits)}), which would stay unquantized: "
+            f"pass --group-size {fits_all}, which divides every layer's, or leave "
+            f"--group-size out to give each layer the largest of "
+            f"{', '.join(map(str, GROUP_SIZES))} that divides its own")
 
 
 def _calibration(src, head, files, tokens: int, what: str):
@@ -321,26 +373,34 @@ def _ignore_list(kept: list[str], layout: _Layout, lm_head: bool = True) -> list
     return ignore_list_for(sorted(names), layout.model_type, config=layout.config)
 
 
-def _quant_config(scheme, mtp_scheme, groups: dict, ignore: list[str], model_type,
+def _quant_config(scheme, groups: dict, ignore: list[str], model_type,
                   head_scheme=None) -> dict:
-    """compressed-tensors quantization_config; ``head_scheme``: the quantized lm_head's."""
+    """compressed-tensors quantization_config; ``groups``: each scheme written -> its on-disk
+    modules; ``head_scheme``: the quantized lm_head's."""
     from ..checkpoint.runtime_names import runtime_module
 
     # A quantized lm_head is named as well as matched by class: vLLM builds it as a
     # ParallelLMHead, not a Linear, and matches its quantization by name.
-    same_head = head_scheme is not None and head_scheme.name == scheme.name
-    entries = [(scheme, ["Linear", "lm_head"] if same_head else ["Linear"])]
-    if mtp_scheme is not None and mtp_scheme.name != scheme.name and groups.get(mtp_scheme.name):
-        # Exact names outrank the class target in vLLM's and compressed-tensors' matching.
-        names = sorted({runtime_module(m, model_type) for m in groups[mtp_scheme.name]
-                        if m != "lm_head"})
-        entries.append((mtp_scheme, names))
+    same_head = head_scheme is not None and head_scheme == scheme
+    targets: dict = {scheme: ["Linear", "lm_head"] if same_head else ["Linear"]}
+    for sch, modules in groups.items():
+        if sch == scheme:
+            continue
+        # Modules in another scheme (an int8 MTP head) or group size (fit_groups) are named:
+        # exact names outrank the class target in vLLM's and compressed-tensors' matching.
+        # vLLM matches the modules it builds (fused qkv_proj, gate_up_proj), transformers
+        # those on disk: both are listed.
+        names = {n for m in modules if m != "lm_head"
+                 for n in (runtime_module(m, model_type), m)}
+        if names:
+            targets[sch] = sorted(names)
     if head_scheme is not None and not same_head:
-        entries.append((head_scheme, ["lm_head"]))
+        targets.setdefault(head_scheme, []).append("lm_head")
+    entries = list(targets.items())
     formats = {s.format for s, _ in entries}
     cfg_groups = {}
-    for i, (sch, targets) in enumerate(entries):
-        group = config_group(sch, targets)
+    for i, (sch, names) in enumerate(entries):
+        group = config_group(sch, names)
         if len(formats) > 1:
             group["format"] = sch.format
         cfg_groups[f"group_{i}"] = group
@@ -453,9 +513,12 @@ def _copy_side_files(src: Path, dst: Path) -> None:
 
 
 def quantize_gguf(
-    model: str | os.PathLike, out: str | os.PathLike, qtype: str, force: bool = False
+    model: str | os.PathLike, out: str | os.PathLike, qtype: str, force: bool = False,
+    mtp: str = "keep",
 ) -> Path:
-    """Write ``model`` as one GGUF file of type ``qtype`` with its MTP layers as nextn."""
+    """Write ``model`` as one GGUF file of type ``qtype`` with its MTP layers as nextn, their
+    matrices kept as stored (``mtp="keep"``: F32, F16 or BF16), in ``qtype`` ("same") or
+    Q8_0 ("w8a16")."""
     from ..checkpoint.gguf import arch_for_model_type, write_gguf
     from ..checkpoint.tokenizer import Tokenizer
     from ..engine.loader import hf_config_of
@@ -485,5 +548,20 @@ def quantize_gguf(
     else:
         warnings.warn(f"{src} has no tokenizer.json; the GGUF is written without a tokenizer "
                       "and llama.cpp will need one from elsewhere", stacklevel=2)
-    write_gguf(dst, arch, config, tensors, tokenizer=tok, qtype=qtype)
+    stored = {ckpt.tensor_dtype(n) for n in ckpt.tensor_names() if _is_mtp_name(n, config)}
+    mtp_qtype = {"same": qtype, "w8a16": "Q8_0"}.get(mtp)
+    if mtp == "keep":
+        # One type for the head: 16-bit only where every MTP tensor is stored so.
+        mtp_qtype = next(iter(stored)) if len(stored) == 1 and stored <= {"F16", "BF16"} \
+            else "F32"
+    write_gguf(dst, arch, config, tensors, tokenizer=tok, qtype=qtype, mtp_qtype=mtp_qtype)
     return dst
+
+
+def _is_mtp_name(name: str, config: dict) -> bool:
+    # MTP layers: mtp.* (Qwen3-Next/3.5, MiMo) or decoder layers past num_hidden_layers
+    # (DeepSeek-V3, GLM-4.5).
+    if name.startswith(("mtp.", "model.mtp.")) or ".mtp." in name:
+        return True
+    m = re.search(r"layers\.(\d+)\.", name)
+    return m is not None and int(m.group(1)) >= int(config.get("num_hidden_layers", 1 << 30))

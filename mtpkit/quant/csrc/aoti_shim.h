@@ -2,7 +2,7 @@
 // these declared (kernels.aoti_c_shims) calls a kernel as a plain C function; without them it
 // calls through torch's proxy executor, which boxes every argument and output into IValues
 // and goes through the dispatcher for each of the ~150 kernel calls of a step, on the main
-// thread while the other one waits (session 20 measured the difference: docs/benchmarks.md).
+// thread while the other one waits.
 // The name is AOTInductor's convention, aoti_torch_<device>_<op name>.
 #pragma once
 
@@ -27,11 +27,10 @@ inline at::Tensor& mut(AtenTensorHandle h) {
 // once. A step reads them once, and its weight stream (SmolLM2 W8A8: ~135 MB) evicts them
 // from every cache level before the next: read argument by argument, as a kernel's checks
 // read them, each costs a chain of three dependent misses. Read together, the misses
-// overlap: w8a8_layer (20 tensors) spent ~3 us a call before its first GEMM, ~1.5 us with
-// this (docs/benchmarks.md, session 27). Loads, not prefetches: w8a8_trunk's ~480 tensors
-// asked for by prefetches in one burst (~2,900 lines) mostly were not there when its checks
-// read them (0.3 us of warming, then 60-75 us of planning a decode step; with loads 14 + 21
-// us, Zen 5, session 29): probably dropped, a burst beyond the misses a core can track.
+// overlap, which halves the time a call spends before its first GEMM. Loads, not
+// prefetches: w8a8_trunk's ~480 tensors asked for by prefetches in one burst (~2,900 lines)
+// mostly were not there when its checks read them (probably dropped: a burst beyond the
+// misses a core can track), while loads make planning a decode step several times faster.
 inline void warm(const AtenTensorHandle* handles, int64_t n) {
   uintptr_t sink = 0;
   for (int64_t i = 0; i < n; i++) sink += *reinterpret_cast<const volatile uintptr_t*>(handles[i]);

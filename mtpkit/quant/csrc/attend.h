@@ -282,8 +282,8 @@ struct Attend {
   }
 
   // The same plan from raw operands whose shapes the caller checked (w8a8_layer: its own
-  // rotated queries and its caches' first S slots; the two caches' views cost ~1.9 us a
-  // call).
+  // rotated queries and its caches' first S slots, without the cost of making the two
+  // caches' views as tensors).
   Attend(const float* q, int64_t qt_, int64_t qs_, const float* k, int64_t kh_, int64_t ks_,
          const float* v, int64_t vh_, int64_t vs_, int64_t T_, int64_t H_, int64_t Hkv_,
          int64_t S_, int64_t D_, const int64_t* pp, int64_t rows_, const char* op) {
@@ -303,10 +303,9 @@ struct Attend {
     const int64_t per = rows * g;
     // The share's cache rows, asked for all at once before the first score (up to half a
     // Zen 5 core's L2): score_blocks' prefetches run only a few blocks ahead of its reads,
-    // and each KV head's short streams started cold. A SmolLM2 W8A8 step, in-process A/B
-    // (docs/benchmarks.md, session 27): decode -25 to -60 us at 128 positions, verification
-    // of 4 rows ~-20 us; at 1024 positions the whole span (1 MB a thread) was no better
-    // than none, half an L2 ~-65 us.
+    // and each KV head's short streams started cold. Warming them first made decoding and
+    // verification faster; at long spans, warming the whole span (more than the L2 holds)
+    // gained nothing, hence the cap at half an L2.
     if (i1 > i0) {
       constexpr int64_t kWarm = 512 * 1024;
       const int64_t kv0 = i0 / per, kv1 = std::min(Hkv, (i1 + per - 1) / per);
@@ -392,10 +391,9 @@ struct Attend {
     thread_local std::vector<float> pad;
     // The cache rows a step reads were last touched a step (a whole weight stream) ago and
     // come from memory in short per-head streams the hardware prefetcher barely ramps up
-    // on: a layer's attention ran at 5-7 GB/s (one thread, 65-513 keys, weights streamed
-    // between calls). Each item asks for the keys kAhead items on and its own block's
-    // values, which the weighted sums then find in L2: 14-25% less time a call
-    // (docs/benchmarks.md).
+    // on, so a layer's attention ran far below the memory's speed. Each item asks for the
+    // keys kAhead items on and its own block's values, which the weighted sums then find in
+    // L2.
     constexpr int64_t kAhead = 4;
     const auto keys_of = [&](int64_t item) {
       const int64_t j0 = 8 * (item % nb);

@@ -8,8 +8,8 @@
 // grouped on their KV head as repeat_interleave does. out is [T, H, D] contiguous, the
 // layout o_proj reads, so no transpose follows.
 //
-// Why by hand: torch's CPU SDPA takes 45-60 us for one query row of SmolLM2 (9 heads, 136
-// keys) on this machine's cores, for ~0.16 M multiply-adds: its general blocked kernel
+// Why by hand: torch's CPU SDPA is slow for one query row of a small model (SmolLM2: 9
+// heads, ~0.16 M multiply-adds at 136 keys): its general blocked kernel
 // allocates and transposes per call. Compiled quantized trunks attend one row at a time (so
 // that a verified row is the same computation as a one-token step). One call a layer takes
 // all of a step's rows (scores in 8-key blocks, softmaxes, weighted values), so that every

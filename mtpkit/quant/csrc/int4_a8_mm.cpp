@@ -23,9 +23,9 @@
 // nibble halves are two 512-bit vpdpbusd a row. AVX2 takes a block as two halves of 8
 // columns (the 32-byte halves of each run): vpmaddubsw, with product pairs added up in
 // int16 over a whole chunk (8 x 2 x 15 x 127 < 2^15) and widened once, about 2.4 vector
-// operations per 32 codes a row. Blocks of 8 with 256-bit vpdpbusd (session 22) took 1.4x
-// a decode step to verify 4 rows of SmolLM2 W4A8; 16 with 512-bit, measured in
-// docs/benchmarks.md (session 23).
+// operations per 32 codes a row. Blocks of 8 with 256-bit vpdpbusd made a 4-row
+// verification cost clearly more than a decode step; blocks of 16 with 512-bit bring it
+// closer to one.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -17,12 +17,12 @@
 // horizontal sum per output). With AVX-512 VNNI (kernels.py) a 64-byte run is one 512-bit
 // vpdpbusd a row. vpdpbusd wants unsigned activations, so they go in as q + 128 and the sum
 // takes 128 * colsum[n] back off (int32 arithmetic wraps, and the true sum fits, so the
-// result is exact). Measured on Zen 5 (docs/benchmarks.md, session 23): the former layout
-// (one column at a time, vpmaddubsw on |w| and sign-moved activations, 4 vector operations
-// per 32 codes a row and a horizontal sum per output) verified 4 rows of SmolLM2 in 1.4-1.9x
-// a decode step; 8-column blocks with 256-bit vpdpbusd in 1.43-1.48x, and this form in
-// 1.15-1.43x. Unlike the 512-bit forms of the one-column loops (int8_mm.cpp's header), it
-// was not slower inside the compiled steps. AVX2 (no VNNI): a run as two 256-bit halves
+// result is exact). The former layout (one column at a time, vpmaddubsw on |w| and
+// sign-moved activations, 4 vector operations per 32 codes a row and a horizontal sum per
+// output) and 8-column blocks with 256-bit vpdpbusd both made a 4-row verification cost
+// clearly more than a decode step; this form brings it closest to one. Unlike the 512-bit
+// forms of the one-column loops (int8_mm.cpp's header), it is not slower inside the
+// compiled steps. AVX2 (no VNNI): a run as two 256-bit halves
 // against one broadcast, with the sign trick (|w| shared by all rows), the same integer sums.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -66,7 +66,7 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
   at::Tensor y = at::empty({M, N16}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
   // Quantized rows in per-thread scratch rather than tensors: a decode step makes ~120 of
-  // these calls, and two tensor allocations each cost ~0.6 ms a step here.
+  // these calls, and two tensor allocations each would add up to a visible share of it.
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> xs;
   q.resize(M * K4);
@@ -85,9 +85,9 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
       a8_rows<R.value>(qp + m * K4, xsp + m, K4, wp, sp, cp, yp + m * N16, N16, c0, c1);
     });
   };
-  // Column blocks claimed by the team (team.h), ~16 KB pieces at least: the lm_head (28 MB
-  // for SmolLM2, a fifth of a step) in static halves left one thread waiting for the other
-  // where their streams ran unevenly, as the fused layers' GEMMs did on Zen 3 (session 28).
+  // Column blocks claimed by the team (team.h), ~16 KB pieces at least: the lm_head (a
+  // fifth of a small model's step) in static halves left one thread waiting for the other
+  // where their streams ran unevenly, as the fused layers' GEMMs did.
   const int nt = team_size();
   Team crew(nt);
 #pragma omp parallel num_threads(nt) if (nt > 1)

@@ -2,16 +2,15 @@
 // x float32 [M, K] (contiguous), codes int8 [N, K] (contiguous), scale float32 [N].
 // mtpkit::f32_mm(x, w) -> y = x @ w.T, the same loop over float32 weights [N, K] (no scale).
 //
-// Why by hand: torch's CPU int8 kernel (_weight_int8pack_mm) takes bf16 activations and
-// runs at ~4.2 G codes/s on this machine's 2 AVX2 cores at two rows (weights streamed from
-// memory); its fp32 path is ~10x slower, and inductor's generated dequantize-and-reduce
-// loops reach 0.3-1 GB/s. This loop widens each group of 8 codes to fp32 once and feeds it
-// to an FMA per row (~6.4 G codes/s at two rows, docs/quantization.md), with fp32
-// activations, so it is also more exact. f32_mm: the compiled fp32 path's GEMMs. Inductor's
-// CPU GEMM templates and the library sgemm differ per row count in blocking, hence in
-// rounding, so a verified row would not be a decode step's bits; this loop is (and streams
-// weights at the machine's read bandwidth from one row up: ~71 GB/s where a sum read 72-75;
-// on Zen 4, four rows stream in about a one-row pass's time since prefetches go to L2, see
+// Why by hand: torch's CPU int8 kernel (_weight_int8pack_mm) takes bf16 activations and is
+// bound by widening codes, not by memory, at decoding row counts; its fp32 path is far
+// slower, and inductor's generated dequantize-and-reduce loops slower still. This loop
+// widens each group of 8 codes to fp32 once and feeds it to an FMA per row, with fp32
+// activations, so it is also faster and more exact (docs/quantization.md). f32_mm: the
+// compiled fp32 path's GEMMs. Inductor's CPU GEMM templates and the library sgemm differ per
+// row count in blocking, hence in rounding, so a verified row would not be a decode step's
+// bits; this loop is (and streams weights at about the machine's read bandwidth from one
+// row up; with prefetches to L2, four rows stream in about a one-row pass's time, see
 // simd.h).
 //
 // Exactness: every output is accumulated in the same order whatever the number of rows,
@@ -19,12 +18,11 @@
 // taken up to four at a time, and every pass does per row what the one-row pass does).
 // Greedy speculative decoding relies on this: a verified row must equal the one-token step.
 //
-// Instruction sets: these loops are AVX2 on every host. AVX-512 forms were measured on Zen 5
-// and dropped: 512-bit loops (f32_mm, and the W8A8 kernel in its former one-column layout)
-// ran faster alone but slower inside the compiled steps (a two-row W8A8 verification 4.5-4.6
-// ms against 3.6-3.7 in two of three turns; k=1 generation 282-288 tok/s in three of four
-// runs against 341-360; fp32 decode 8.5-8.9 against 8.0-8.3 ms). int8_a8_mm.cpp and
-// int4_a8_mm.cpp keep VNNI forms on 256-bit vectors, which pay in their blocked layouts.
+// Instruction sets: these loops are AVX2 on every host. AVX-512 forms were measured and
+// dropped: 512-bit loops (f32_mm, and the W8A8 kernel in its former one-column layout) ran
+// faster alone but slower inside the compiled steps (verification, generation and fp32
+// decoding all lost). int8_a8_mm.cpp and int4_a8_mm.cpp keep VNNI forms, which pay in their
+// blocked layouts.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -63,7 +61,7 @@ inline __m256 widen8(const at::BFloat16* p) {
 
 // R rows of x against output columns [n0, n1), 16 weights per step; two accumulators per
 // row break the FMA dependency chain. Not inlined: inlined into the OpenMP region, gcc 12
-// spills an accumulator to the stack inside the loop (5.5 instead of 8.3 G codes/s).
+// spills an accumulator to the stack inside the loop, which costs a third of its speed.
 // W int8 (codes, times s[n]) or float (s null). One prefetch per 64 bytes of weights.
 template <int R, class W>
 __attribute__((noinline)) void rows_kernel(const float* x, int64_t K, const W* w,

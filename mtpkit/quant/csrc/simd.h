@@ -45,19 +45,15 @@ inline __m256i bcast4(const int8_t* x) {
 }
 
 // Codes are read once per step, straight from memory; the hardware prefetcher alone leaves
-// one thread at ~9 GB/s here, a prefetch 4 KB ahead at ~11.5 (streaming a 28 MB weight, one
-// row). 16 KB ahead took a W8A8 step's GEMMs (30 layers and the lm_head, C++ loop, fast
-// memory phase) from ~1.93 to ~1.86 ms at one row and ~2.41 to ~2.25 at four, where the
-// four-row kernel's arithmetic (~95 B/ns a core) leaves less slack to cover the latency; 32 KB
-// was no better. Addresses past the weight's end are harmless (a prefetch never faults).
+// one thread short of the memory's speed, and a software prefetch ahead of the reads closes
+// much of that gap. 16 KB ahead beat 4 KB (most at four rows, where the kernel's arithmetic
+// leaves less slack to cover the latency); 32 KB was no better. Addresses past the weight's
+// end are harmless (a prefetch never faults).
 // The hint is T1: Zen 4 is the first AMD core to fill only L2 for T1/T2 (Zen 3 and older
 // fill L1 for every hint, so there T1 is T0 under another name; Intel fills L2 for T1 too).
-// On Zen 4 (session 31), T0 made a four-row pass pay its arithmetic on top of its memory
-// time, as if the two could not overlap (SmolLM2's fp32 weights through f32_mm, in turns:
-// one row 0.99-1.14x a torch sum's time either way; four rows 1.28-1.31x with T0, 1.00-1.05x
-// with T1; W8A8's int8_a8_mm at four rows 1.19-1.22x and 1.02-1.08x). In the compiled fp32
-// steps a verification of 4 rows went from 1.33-1.40x a decode step to 1.04-1.06x; the W8A8
-// and W4A8 steps were unchanged or a little faster (docs/benchmarks.md, session 31).
+// On Zen 4, T0 made a four-row pass pay its arithmetic on top of its memory time, as if the
+// two could not overlap; with T1 four rows stream in about a one-row pass's time, so a
+// verification of 4 rows costs about what a decode step does (docs/benchmarks.md).
 constexpr uintptr_t kAhead = 16384;
 inline void prefetch(const int8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kAhead), _MM_HINT_T1);
@@ -94,8 +90,8 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
 #if MTPKIT_VNNI
     // Sixteen lanes a division where AVX-512 is built in: the divisions dominate this pass
     // (a verification of 4 rows quantizes ~13,000 activations a layer on each thread), and
-    // the lane width does not change an elementwise result. In-process A/B against eight
-    // lanes (SmolLM2 W8A8, Zen 5, session 29): verify 4 rows -33 and -51 us, decode -20, -21.
+    // the lane width does not change an elementwise result; sixteen lanes measured faster
+    // than eight for decoding and verification alike.
     {
       const __m512 vs16 = _mm512_set1_ps(sc), hi16 = _mm512_set1_ps(127.f),
                    lo16 = _mm512_set1_ps(-127.f);
@@ -123,9 +119,8 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
 
 // Rows [0, M) in passes over the weights: f(std::integral_constant<int, R>{}, m) for rows
 // [m, m + R), four at a time, then the rest (1-3) in one pass, so that the weights stream
-// once per four rows (three rows as 2 + 1 streamed the codes twice: one decode step's GEMMs,
-// SmolLM2 W8A8, in turns: 15.1-16.2 ms, 10.8-11.5 in one pass). Each kernel computes a row
-// the same whatever pass it is in.
+// once per four rows (three rows as 2 + 1 would stream the codes twice, which costs about
+// half as much again). Each kernel computes a row the same whatever pass it is in.
 template <class F>
 inline void over_rows(int64_t M, const F& f) {
   int64_t m = 0;

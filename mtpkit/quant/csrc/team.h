@@ -26,7 +26,8 @@ namespace mtpkit_team {
 // barrier (7 waits a layer) it saves tens of microseconds a decode step. A waiter spins
 // briefly, then sleeps on a futex: on a CPU shared with other work the member it waits for
 // may be descheduled for a whole time slice, and a spinning (or yielding) waiter holds the
-// very core that member needs, which made verification 5-30x slower beside one busy thread.
+// very core that member needs, which made verification many times slower beside one busy
+// thread.
 struct Barrier {
   alignas(64) std::atomic<int> count{0};
   alignas(64) std::atomic<int> sense{0};
@@ -89,12 +90,11 @@ struct alignas(64) Slot {
   std::atomic<uint64_t> w{0};
 };
 
-// Why shares move: on Zen 3 (2 cores, ~25 GB/s), a SmolLM2 W8A8 decode step's threads each
-// waited ~11% of the step at the barriers after the GEMMs (rdtsc timers, session 28: 8 us a
-// thread after gate_up's 1.8 MB), one core's stream running ahead of the other's by turns.
-// In-process A/B against static halves: verification of 4 rows -362 and -464 us (of ~10
-// ms), decode -40 us at 128 positions, -52 at 512. A column's arithmetic does not depend on
-// the thread that computes it, so no bit changes.
+// Why shares move: with static halves, a W8A8 decode step's threads each waited a tenth of
+// the step at the barriers after the GEMMs on a 2-core machine, one core's memory stream
+// running ahead of the other's by turns. Claimed blocks let the faster thread take over the
+// slower one's remainder, which made both verification and decoding faster. A column's
+// arithmetic does not depend on the thread that computes it, so no bit changes.
 struct Team {
   Barrier bar;
   std::vector<Slot> slots;

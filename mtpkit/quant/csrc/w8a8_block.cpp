@@ -19,15 +19,12 @@
 // rmsnorm(v) = v / sqrt(mean(v^2) + eps), in float32.
 //
 // Why: with a parallel region per GEMM (121 a SmolLM2 decode step), each a fork and a join
-// of the OpenMP team, the weight stream idles around every call. SmolLM2's GEMMs alone, from
-// C++, streamed at the machine's read bandwidth with one region per layer and barriers
-// between its GEMMs (~90 GB/s against 72-78 for a region per GEMM). In the compiled steps
-// the gain is smaller (verification 3-7%; attention and glue remain between the regions;
-// docs/benchmarks.md, session 24). The whole layer in one region (w8a8_layer, session 25)
-// takes the attention's three forks and the glue between the ops out too: verification of
-// 4 rows 3-9% faster, a decode step 0-4% (the cache rows' latency stays: ~25 GB/s). The
-// whole trunk in one region (w8a8_trunk, session 27) takes out the fork, join and call
-// setup between layers: ~3 us a layer at one row, ~5 at four.
+// of the OpenMP team, the weight stream idles around every call. With one region per layer
+// and barriers between its GEMMs, the GEMMs stream at the machine's read bandwidth. In the
+// compiled steps the gain is smaller, since attention and glue remain between the regions.
+// The whole layer in one region (w8a8_layer) takes the attention's three forks and the glue
+// between the ops out too (the cache rows' latency stays). The whole trunk in one region
+// (w8a8_trunk) takes out the fork, join and call setup between layers.
 //
 // Exactness: every output row is computed from its own input row only, in one fixed order
 // whatever the row count, the thread count or the thread split (the GEMMs' integer sums are
@@ -321,7 +318,7 @@ static void post_run(const Post& P, Scratch& s, Member& me) {
     me.barrier();
     // Every row's heads, padding rows too (their cache slots are written before any read).
     // Dealt out in turn: the k and v items (the last of each row) write cache rows that
-    // come from memory, and in halves one thread took them all (~3 us a layer, Zen 3).
+    // come from memory, and in halves one thread took them all.
     const int64_t per = pre->H + 2 * pre->Hkv, n = T * per, Dh = pre->D;
     for (int64_t item = t; item < n; item += nth) {
       const int64_t m = item / per, c = item % per;
@@ -405,7 +402,7 @@ static at::Tensor post_impl(const char* op, const at::Tensor* a_, mtpkit_attn::A
   const at::Tensor x = x_.contiguous(), ln = contig_vec(ln_, D, pre ? "ln2" : "ln");
   Post P = post_plan(op, T, A, att, pre, D, x.data_ptr<float>(), ow_, os_, oc_, ln, eps, guw_,
                      gus_, guc_, dw_, ds_, dc_, inter);
-  // at::empty's dispatch cost ~10 us a step (30 calls; in-process A/B, session 27).
+  // at::empty's dispatch, 30 calls a step, costs more than this direct allocation.
   at::Tensor out = at::detail::empty_cpu({T, D}, at::kFloat, /*pin_memory=*/false);
   thread_local std::vector<float> shared;
   if ((int64_t)shared.size() < post_shared(P)) shared.resize(post_shared(P));
@@ -467,7 +464,7 @@ static Caches caches_of(const char* op, const at::Tensor& kbuf, const at::Tensor
 }
 
 // Layer l's caches out of stacked ones [layers, 1, Hkv, L, D] (checked by the caller): no
-// tensor made for a layer's view (~0.35 us each).
+// tensor made for a layer's view (each would cost a dispatch).
 static Caches caches_at(const at::Tensor& kc, const at::Tensor& vc, int64_t l) {
   return {kc.data_ptr<float>() + l * kc.stride(0), vc.data_ptr<float>() + l * vc.stride(0),
           kc.size(2), kc.size(3), kc.size(4), kc.stride(2), kc.stride(3), vc.stride(2),
@@ -575,7 +572,7 @@ static at::Tensor trunk_impl(const at::Tensor& x_, const List& ln1, double eps1,
   posts.reserve(n);
   int64_t nshared = 0;
   for (size_t l = 0; l < n; l++) {
-    // Raw pointers, no tensors: a tensor made for each layer's input cost ~0.35 us a layer.
+    // Raw pointers, no tensors: a tensor made for each layer's input costs a dispatch.
     const float* in = l == 0 ? x.data_ptr<float>() : pingpong.data() + ((l + 1) % 2) * T * Dm;
     layer_plan(op, T, Dm, in, ln1[l], eps1, qw[l], qs[l], qc[l], cos, sin, cs[l], pos, span, rows,
                heads, qbuf.data(), pres[l], atts[l]);
@@ -634,8 +631,8 @@ static void check_stacked(const at::Tensor& kc, const at::Tensor& vc, size_t n) 
 }
 
 // w8a8_trunk with each cache list as one stacked tensor: a compiled step's 60 cache inputs
-// (SmolLM2) become 2. An AOTInductor call with 60 such inputs took ~40 us, with 2 ~18, its
-// metadata evicted as a step's weight stream evicts it (Zen 5, session 29).
+// (SmolLM2) become 2. An AOTInductor call reads each input's metadata, which a step's weight
+// stream has evicted from the caches, so 2 inputs cost far less than 60.
 static at::Tensor w8a8_trunk_kv(const at::Tensor& x, at::TensorList ln1, double eps1,
                                 at::TensorList qw, at::TensorList qs, at::TensorList qc,
                                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc,
