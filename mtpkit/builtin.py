@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -36,10 +35,9 @@ def smollm2_gguf() -> Path:
 
 def cache_dir() -> Path:
     """Where converted models live: $MTPKIT_CACHE, else $XDG_CACHE_HOME/mtpkit or ~/.cache."""
-    if os.environ.get("MTPKIT_CACHE"):
-        return Path(os.environ["MTPKIT_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mtpkit"
+    from .envs import cache_dir as from_env
+
+    return from_env()
 
 
 def builtin_trunk() -> Path:

@@ -8,14 +8,11 @@ beyond a cap (``MTPKIT_COMPILE_CACHE_GB``, default 10); ``clear`` removes them a
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-DEFAULT_COMPILED_GB = 10.0  # cap on compiled programs unless $MTPKIT_COMPILE_CACHE_GB says
 
 
 @dataclass
@@ -61,12 +58,9 @@ def entries() -> list[Entry]:
 
 def compiled_cap_bytes() -> int | None:
     """The size compiled programs are kept under: $MTPKIT_COMPILE_CACHE_GB (0: no cap)."""
-    raw = os.environ.get("MTPKIT_COMPILE_CACHE_GB", "").strip()
-    try:
-        gb = float(raw) if raw else DEFAULT_COMPILED_GB
-    except ValueError:
-        raise ValueError(f"MTPKIT_COMPILE_CACHE_GB must be a number of GB (0 for no cap), "
-                         f"got {raw!r}") from None
+    from .envs import get
+
+    gb = get("MTPKIT_COMPILE_CACHE_GB")
     return None if gb <= 0 else int(gb * 1e9)
 
 
@@ -122,6 +116,7 @@ def run(a) -> int:
     """List or clear the caches."""
     if a.older_than is not None and a.older_than < 0:
         raise ValueError(f"--older-than must be >= 0 days, got {a.older_than}")
+    cap = compiled_cap_bytes()  # a malformed MTPKIT_COMPILE_CACHE_GB fails before any output
     found = entries()
     if a.action == "list":
         from rich.console import Console
@@ -135,7 +130,6 @@ def run(a) -> int:
                           time.strftime("%Y-%m-%d %H:%M", time.localtime(e.mtime)))
         Console().print(table)
         total = sum(e.bytes for e in found)
-        cap = compiled_cap_bytes()
         print(f"{len(found)} entries, {total / 1e9:.2f} GB; compiled programs are kept under "
               + ("no cap" if cap is None else f"{cap / 1e9:g} GB")
               + " (MTPKIT_COMPILE_CACHE_GB)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 import warnings
@@ -253,7 +252,9 @@ def _cmd_calibrate(a) -> int:
     if a.init == "head" and a.head is None and a.model is None:
         a.head = _builtin_head_or_none()
     model = a.model or str(_builtin_trunk())
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    from .envs import get
+
+    distributed = get("WORLD_SIZE") > 1
     if distributed:
         import torch.distributed as dist
 
@@ -280,7 +281,7 @@ def _cmd_calibrate(a) -> int:
 
             gc.collect()
             dist.destroy_process_group()
-    if not distributed or int(os.environ.get("RANK", "0")) == 0:
+    if not distributed or get("RANK") == 0:
         print(f"head written to {a.out}", file=sys.stderr)
     return 0
 
@@ -401,11 +402,21 @@ def _cmd_eval(a) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ``error:`` line (exit 2), like every other
+    mistake; subcommand parsers are of the same class."""
+
+    def error(self, message: str):
+        """Print the mistake as one line and exit 2."""
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mtpkit", description="Multi-Token-Prediction speculative decoding toolkit."
     )
     parser.add_argument("--version", action="version", version=f"mtpkit {__version__}")
@@ -444,7 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     from .checkpoint.errors import CheckpointError
     from .engine.sampling import SamplingError
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error already printed
+        return e.code if isinstance(e.code, int) else 0
     try:
         if getattr(args, "threads", None) is not None:
             from . import threads

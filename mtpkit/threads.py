@@ -3,8 +3,8 @@ how many of them other work leaves free right now.
 
 A 2-thread step whose second thread shares its core with another program waits at every
 parallel region for a thread the OS has descheduled: beside one busy thread, multi-row
-steps ran 4-10x slower, where one thread alone keeps most of its speed (its core is its
-own). So the engine calls ``tick()`` between steps; every quarter second or so that reads
+steps ran several times slower, where one thread alone keeps most of its speed (its core
+is its own). So the engine calls ``tick()`` between steps; every quarter second or so that reads
 how much CPU time other processes took (``/proc/stat`` less this process's own) and sizes
 the team to what is left: all usable CPUs on a quiet machine, fewer beside other work.
 """

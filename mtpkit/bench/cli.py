@@ -94,7 +94,9 @@ def add_parser(sub) -> None:
     s.add_argument("--dataset", default="builtin", help="builtin (default) or a prompt file")
     s.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
                    help="/v1/chat/completions (default) or /v1/completions")
-    s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+    from ..envs import get
+
+    s.add_argument("--api-key", default=get("OPENAI_API_KEY"),
                    help="bearer token (default: $OPENAI_API_KEY)")
     s.add_argument("--max-tokens", type=int, default=128, help="per request (default 128)")
     s.add_argument("--temperature", type=float, default=0.0)
@@ -200,6 +202,18 @@ def _load_warning(con, env: dict) -> None:
         con.print(f"[yellow]warning: when the run started, {note}[/yellow]")
 
 
+def require_extra(command: str, *modules: str) -> None:
+    """Refuse to start ``command`` (before any work) when a module of the bench extra is
+    missing: one ``error:`` line naming it and the install command, exit 2."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"mtpkit bench {command} needs {' and '.join(missing)}, which "
+                         f"{'is' if len(missing) == 1 else 'are'} not installed: "
+                         'pip install "mtpkit[bench]"')
+
+
 def _positive(value: int, option: str) -> int:
     if value < 1:
         raise ValueError(f"{option} must be >= 1, got {value}")
@@ -235,7 +249,7 @@ def cmd_contention(a) -> int:
     from .prompts import load_prompts
 
     for v, opt in ((a.num_prompts, "--num-prompts"), (a.max_tokens, "--max-tokens"),
-                   (a.rounds, "--rounds")):
+                   (a.rounds, "--rounds"), (a.k, "--k")):
         _positive(v, opt)
     modes = [m.strip() for m in a.compile.split(",") if m.strip()]
     for m in modes:
@@ -292,6 +306,7 @@ def cmd_offline(a) -> int:
     from .common import parse_int_list
     from .prompts import load_prompts
 
+    require_extra("offline", "matplotlib")  # the plots, written after the sweep
     ks = parse_int_list(a.k, "--k", 0, 16)
     _positive(a.max_tokens, "--max-tokens")
     _positive(a.repeat, "--repeat")
@@ -531,6 +546,8 @@ def cmd_serve(a) -> int:
 
     from .common import parse_int_list, write_json
     from .prompts import load_prompts
+
+    require_extra("serve", "httpx")  # before any request
     from .serve import ServeBench
 
     levels = parse_int_list(a.concurrency, "--concurrency", 1, 4096)
@@ -627,6 +644,7 @@ def cmd_compare(a) -> int:
     """Run every engine; 1 when mtpkit with and without MTP disagree (a bug)."""
     from .prompts import load_prompts
 
+    require_extra("compare", "matplotlib")  # the plot, written after every engine ran
     _positive(a.max_tokens, "--max-tokens")
     _positive(a.k, "--k")
     _positive(a.prompt_lookup_tokens, "--prompt-lookup-tokens")

@@ -18,7 +18,7 @@ from ..outputs import publish_modes
 def busy_cpu(load_average: list[float] | None, cpu_count: int | None) -> str | None:
     """A warning when the 1-minute load says other work competed for the CPU, else None."""
     # Oversubscribed thread pools slow every step, and multi-row verification far more than
-    # one-row decoding (measured: MTP 0.5 tok/s against 4.6 without, beside another run).
+    # one-row decoding.
     if load_average and cpu_count and load_average[0] > 0.75 * cpu_count:
         return (f"load average {load_average[0]:.1f} on {cpu_count} cores: other work "
                 "competes for the CPU, so these speeds are not representative")
@@ -140,8 +140,8 @@ def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
 
     A torch sum over a buffer far larger than the caches, with the threads torch uses for
     decoding: a decode step only reads its weights. (A copy, which this measured before,
-    also writes, and its write-allocate traffic goes uncounted: here it read 18.3 GB/s
-    where a sum read 24.4, which made every bound look lower than the memory allows.)"""
+    also writes, and its write-allocate traffic goes uncounted, so it read well below what a
+    sum reads, which made every bound look lower than the memory allows.)"""
     import torch
 
     n = megabytes * (1 << 20) // 4

@@ -80,8 +80,8 @@ class Runner:
 def interleave(runners: list[Runner], prompts: list[list[int]], max_tokens: int) -> list[str]:
     """Every prompt through every runner, the runners' order rotated by one per prompt.
 
-    This machine's speed drifts by a third within minutes (llama.cpp Q4_1: 76.7 and 103.4
-    tok/s in two runs minutes apart), so engines timed one after another in blocks compare
+    A small machine's speed can drift by a third within minutes (shared memory bandwidth),
+    so engines timed one after another in blocks compare
     the hours they ran in as much as the engines. In turns, prompt by prompt, they share
     the drift. Returns the schedule (engine names in the order they ran)."""
     live = [r for r in runners if r.gen is not None]

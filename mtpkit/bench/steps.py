@@ -35,9 +35,9 @@ def step_costs(engine, backend: str, k: int, context: int = 128, repeats: int = 
     """Milliseconds per program for one backend, at a cache filled to ``context`` positions.
 
     The programs are timed in ``turns`` turns, each timing every program ``repeats`` times
-    (and ``bandwidth()``, GB/s, when given): this machine's speed drifts by a quarter within
-    minutes, so a ratio of two programs timed in separate blocks measured the drift as much
-    as the programs (k=3 verify/decode 1.19-1.84 with unchanged code). A ratio is taken
+    (and ``bandwidth()``, GB/s, when given): a machine's speed can drift by a quarter within
+    minutes, so a ratio of two programs timed in separate blocks measures the drift as much
+    as the programs. A ratio is taken
     within each turn, and the row reports the median over turns and its range."""
     from ..engine.fast import FastDecoder
 

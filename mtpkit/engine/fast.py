@@ -284,8 +284,7 @@ def _w8a8_whole(layer, x, kbuf, rows, forms: W8A8Forms) -> bool:
 def _w8a8_trunk(layers, fused, x, cos, sin, kc, vc, pos, mask, rows) -> torch.Tensor:
     # Every layer as w8a8_layer computes it, all in one op and one OpenMP region: a barrier
     # between layers where an op a layer forked and joined the team and set its call up
-    # with the other thread idle. SmolLM2 W8A8, in-process A/B: decode -97 us (~3 us a
-    # layer), verification of 4 rows -154 us (docs/benchmarks.md, session 27).
+    # with the other thread idle: the per-layer fork, join and call setup go.
     b, t, d = x.shape
     ops = [[] for _ in range(14)]
     for layer, f in zip(layers, fused, strict=True):
@@ -346,18 +345,17 @@ class Programs(nn.Module):
         quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
         # fp32 trunks on a CPU where mtpkit's kernels build are row-exact too: their GEMMs
         # go through f32_mm (RowExactLinear), so they take the row-exact path below: one-row
-        # decode, k+1-row rounds, row-wise attention. Against inductor's two-row GEMM
-        # templates and torch's SDPA, SmolLM2 fp32 in turns: decode 13.4-14.2 -> 11.8-11.9
-        # ms, verify 4 rows 14.0-14.6 -> 12.3-12.4 (docs/benchmarks.md, session 21).
+        # decode, k+1-row rounds, row-wise attention, which also ran faster than inductor's
+        # two-row GEMM templates and torch's SDPA.
         self.float_rows = not quantized and float_row_exact_trunk(model)
         self.rowwise = bool(quantized) or self.float_rows
         # They also run every trunk step with the same number of rows (decode and rounds
         # padded to QUANT_ROWS), so that each GEMM is the same shape-chosen kernel in every
         # program and a row's result does not depend on which step computes it. That lets
-        # the fp32 lm_head take inductor's CPU template (library sgemm: 11 ms at 2 rows, 26
-        # at 4; template: 5.4 / 6.9) while staying exact. Two rows, not k+1: the int kernels'
-        # cost grows with rows (SmolLM2 w8a16 decode: 20.8 ms at 2 rows, 43.1 at 4), so the
-        # quantized fast path drafts one token per round, the best k on this CPU anyway.
+        # the fp32 lm_head take inductor's CPU template (faster than the library sgemm)
+        # while staying exact. Two rows, not k+1: the int kernels' cost grows with rows, so
+        # padding every step to k+1 would slow decoding; the quantized fast path therefore
+        # drafts one token per round, the best k on small CPUs anyway.
         # Unless every trunk GEMM, the lm_head's included, is one of mtpkit's int8 kernels:
         # those compute a row the same whatever rows come with it (QuantLinear.row_exact),
         # so steps keep their natural row counts (decode 1, a round k+1) and any k is exact.
@@ -366,8 +364,7 @@ class Programs(nn.Module):
         self.rows = QUANT_ROWS if quantized and not self.row_exact else None
         # Row-exact trunks also run q/k/v and gate/up as one int8 layer each (the same bits
         # as apart, see stack_outputs): 4 kernel calls a layer instead of 7, and one
-        # activation quantization where W8A8 made three (SmolLM2 w8a8, one process:
-        # decode 14.85 -> 13.56 ms, a k=1 round 24.02 -> 22.30 ms).
+        # activation quantization where W8A8 made three.
         self.fused = None
         self.lm_head = None  # the trunk's lm_head in a step's own form, where it has one
         if self.float_rows:
@@ -518,12 +515,11 @@ class Programs(nn.Module):
         """Plain greedy step: token [1, 1] at pos [1] -> the next token [1].
 
         Runs as two rows, the token and a copy of it at pos + 1, and keeps row 0: inductor
-        (CPU, max-autotune) picks far better GEMM kernels for two rows than for one
-        (SmolLM2 fp32, 2 threads: 18.4 ms for the two-row program against 26.0 ms for one
-        row). The copy's cache slot pos + 1 is never read (row 0 sees keys <= pos) and the
-        next step writes its own token there first. Row-exact trunks (mtpkit's kernels, fp32
-        ones included) run one row: those kernels cost in proportion to rows, or stream the
-        weights at the same speed whatever the rows.
+        (CPU, max-autotune) picks far better GEMM kernels for two rows than for one, so the
+        two-row program is the faster one. The copy's cache slot pos + 1 is never read (row 0
+        sees keys <= pos) and the next step writes its own token there first. Row-exact
+        trunks (mtpkit's kernels, fp32 ones included) run one row: those kernels cost in
+        proportion to rows, or stream the weights at the same speed whatever the rows.
         """
         r = self.rows or (1 if self.row_exact else 2)
         tokens = token.expand(1, r)
@@ -696,8 +692,11 @@ class _Step(nn.Module):
 # -- compiled artefacts --------------------------------------------------------------------
 def default_cache_dir() -> Path:
     """Where compiled programs persist: $MTPKIT_COMPILE_CACHE, else ~/.cache/mtpkit/compiled."""
-    if os.environ.get("MTPKIT_COMPILE_CACHE"):
-        return Path(os.environ["MTPKIT_COMPILE_CACHE"])
+    from ..envs import get
+
+    own = get("MTPKIT_COMPILE_CACHE")
+    if own is not None:
+        return own
     from ..builtin import cache_dir
 
     return cache_dir() / "compiled"
@@ -764,9 +763,8 @@ def _inductor_configs(mode: str, rowwise: bool = False, low_precision: bool = Fa
         # where a kernel ends, and where kernels end differs between the decode and round
         # programs (the round's head catch-up reads more of the trunk's values), so the
         # same row rounded differently in each and greedy MTP output left plain decoding's
-        # (SmolLM2 bf16 on an H100, inductor, k=1: NO across 12 prompts, with library GEMMs
-        # too). Rounding after every op, as eager PyTorch does, made them equal (identical
-        # across k) and was not slower there (k=0 143 tok/s against 121-125).
+        # (seen on a GPU with SmolLM2 in bf16, library GEMMs too). Rounding after every op,
+        # as eager PyTorch does, makes them equal (identical across k) at no visible cost.
         cfg["emulate_precision_casts"] = True
     if mode == "max-autotune":
         cfg["max_autotune"] = True
@@ -948,8 +946,8 @@ class FastDecoder:
             self._fns[key] = fn
             # The model's and torch's ~300K objects live as long as the process; Python's
             # full collections, triggered by the few objects each step allocates, scanned
-            # them all every few hundred steps (0.1 ms a SmolLM2 W8A8 decode step on
-            # average, session 23). Frozen, they are left out of every collection, as
+            # them all every few hundred steps, a measurable share of a small model's
+            # step. Frozen, they are left out of every collection, as
             # serving engines do after loading (vLLM calls gc.freeze too).
             gc.freeze()
         return fn
@@ -1316,7 +1314,7 @@ class Step:
 class _Loaded:
     """An AOTInductor program called with its tensors flattened by hand: torch's wrapper
     (AOTICompiledModel) parses its call spec and flattens and unflattens every call with
-    pytree (63 tensors a SmolLM2 step), ~40 us a step here."""
+    pytree (63 tensors a SmolLM2 step), a cost this avoids on every step."""
 
     def __init__(self, compiled) -> None:
         from torch.utils import _pytree as pytree

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -71,23 +71,41 @@ class Session:
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
         """Token ids of a raw prompt, or of a user message under the chat template."""
         if chat:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True
-            )
-            # The template already wrote any BOS token it wants.
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.chat_ids([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
     def complete(
         self,
-        prompt: str,
+        prompt: str | list[int],
         params: SamplingParams,
         num_draft_tokens: int,
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
     ) -> Completion:
         """Generate; ``on_text`` receives text pieces as they are final (stop strings held)."""
-        ids = self.encode_prompt(prompt, chat)
+        pieces = self.stream(prompt, params, num_draft_tokens, chat)
+        try:
+            while True:
+                try:
+                    piece = next(pieces)
+                except StopIteration as done:
+                    return done.value
+                if on_text:
+                    on_text(piece)
+        finally:
+            pieces.close()  # a failing on_text ends the request here, not when collected
+
+    def stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        num_draft_tokens: int,
+        chat: bool = False,
+    ) -> Generator[str, None, Completion]:
+        """Yield text pieces as they are final (stop strings held); return the Completion.
+
+        ``prompt`` is text, or token ids taken as they are."""
+        ids = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
         res = Result()
         decoder = self.tokenizer.stream_decoder()
         text = ""
@@ -103,9 +121,9 @@ class Session:
                 if hit is not None:
                     text, finish = text[:hit], "stop"
                     break
-                if on_text and len(text) - hold > sent:
-                    on_text(text[sent : len(text) - hold])
-                    sent = len(text) - hold
+                if len(text) - hold > sent:
+                    piece, sent = text[sent : len(text) - hold], len(text) - hold
+                    yield piece
         finally:
             gen.close()
         if finish is None:
@@ -113,8 +131,8 @@ class Session:
             hit = _first_stop(text, params.stop)
             if hit is not None:
                 text, finish = text[:hit], "stop"
-        if on_text and len(text) > sent:
-            on_text(text[sent:])
+        if len(text) > sent:
+            yield text[sent:]
         return Completion(text, list(res.tokens), finish or res.finish_reason or "stop",
                           res.metrics)
 

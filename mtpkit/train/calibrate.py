@@ -135,6 +135,7 @@ def distill_loss(
 
 def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
     """Train and write the head; returns it. ``progress``: "bar", "lines" or "off"."""
+    check_config(cfg)
     rank, world = _rank_world()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -252,6 +253,40 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
         else:
             save_head(head, out, summary, vocab)
     return head
+
+
+def check_config(cfg: CalibrateConfig) -> None:
+    """Refuse, before any work, settings that cannot train (ValueError naming the option)
+    and an --out that would write over an input."""
+    checks = [
+        (cfg.draft_depth >= 1, f"--draft-depth must be >= 1, got {cfg.draft_depth}"),
+        (cfg.tokens is None or cfg.tokens >= 1, f"--tokens must be >= 1, got {cfg.tokens}"),
+        (cfg.steps is None or cfg.steps >= 1, f"--steps must be >= 1, got {cfg.steps}"),
+        (cfg.seq_len >= cfg.draft_depth + 2,
+         f"--seq-len must be >= {cfg.draft_depth + 2} (--draft-depth + 2), got {cfg.seq_len}"),
+        (cfg.batch_size >= 1, f"--batch-size must be >= 1, got {cfg.batch_size}"),
+        (cfg.lr > 0, f"--lr must be > 0, got {cfg.lr}"),
+        (0 <= cfg.heldout_fraction < 1,
+         f"--heldout-fraction must be in [0, 1), got {cfg.heldout_fraction}"),
+        (cfg.checkpoint_every >= 0,
+         f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}"),
+        (cfg.draft_vocab >= 0, f"--draft-vocab must be >= 0, got {cfg.draft_vocab}"),
+        (cfg.epochs > 0, f"--epochs must be > 0, got {cfg.epochs}"),
+        (cfg.top_k >= 1, f"--teacher-top-k must be >= 1, got {cfg.top_k}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    out = Path(cfg.out).resolve()
+    inputs = [("--model", cfg.model), ("--head", cfg.head), ("--features", cfg.features),
+              *(("--data", d) for d in cfg.data)]
+    for option, path in inputs:
+        if path is None:
+            continue
+        src = Path(path).resolve()
+        if out == src or src in out.parents or out in src.parents:
+            raise ValueError(f"--out {out} overlaps the input {option} {src}; mtpkit never "
+                             "writes over its input: choose another folder")
 
 
 def _check_native_out(model: Path, out: Path) -> None:

@@ -135,13 +135,19 @@ def export_head(model_path, head, out, fmt: str = "mimo", dtype: str = "bfloat16
                    "final norm, so it cannot hold an mtpkit head exactly; use --format mimo, "
                    "which vLLM serves as an MTP model")
         raise ValueError(f"export-head: unknown --format {fmt!r}.{why}")
+    cast = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype not in cast:
+        raise ValueError(f"export-head: --dtype must be one of {', '.join(cast)}, got {dtype!r}")
+    dst = Path(out).resolve()
+    for option, path in (("--model", model_path), ("--head", head)):
+        src = None if path is None else Path(path).resolve()
+        if src is not None and (dst == src or src in dst.parents or dst in src.parents):
+            raise ValueError(f"--out {dst} overlaps the input {option} {src}; mtpkit never "
+                             "writes over its input: choose another folder")
     loaded = load_model(str(model_path), head=None if head is None else str(head),
                         dtype="float32", tokenizer=False)
     model = loaded.model
     tensors = mimo_tensors(model)
-    cast = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    if dtype not in cast:
-        raise ValueError(f"export-head: --dtype must be one of {', '.join(cast)}, got {dtype!r}")
     src = Path(model_path)
     config = dict(hf_config_of(loaded.checkpoint))
     for key in ("quantization_config", "mtp_num_hidden_layers", "attention_bias", "mlp_bias",

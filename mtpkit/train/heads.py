@@ -14,10 +14,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..checkpoint.errors import CheckpointError
+from ..checkpoint.hf import PICKLE_SUFFIXES
 from ..outputs import publish
 
 HEAD_FILE = "mtp_head.safetensors"
@@ -37,10 +38,20 @@ class WithHead:
                 f"{f}: no MTP head file; --head takes a folder written by `mtpkit calibrate` "
                 f"(with {HEAD_FILE}) or such a .safetensors file"
             )
+        if f.suffix in PICKLE_SUFFIXES:
+            raise CheckpointError(f"{f}: a pickle file. mtpkit never unpickles weight files "
+                                  "(they can run arbitrary code); --head takes a folder written "
+                                  f"by `mtpkit calibrate` (with {HEAD_FILE}) or such a "
+                                  ".safetensors file")
         self.head_file = f
+        try:
+            self._h = safe_open(str(f), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: not a safetensors file ({e}); --head takes a folder "
+                                  f"written by `mtpkit calibrate` (with {HEAD_FILE}) or such "
+                                  "a .safetensors file") from None
         cfg_path = f.parent / HEAD_CONFIG
         self.head_config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        self._h = safe_open(str(f), framework="pt")
         self._names = list(self._h.keys())
         n_layers = 1 + max(
             (int(k.split(".")[2]) for k in self._names if k.startswith("mtp.layers.")), default=0
