@@ -384,3 +384,28 @@ def gguf_edit(src: Path, out: Path, set_keys: dict | None = None, remove=()) -> 
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def stack_experts(src: Path, out: Path) -> Path:
+    """A copy of ``src`` whose routed experts (trunk and MTP) are stored stacked, as
+    transformers 5 saves MoE models: ``...mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows
+    first) and ``...mlp.experts.down_proj`` [E, H, I]."""
+    import re as _re
+
+    def fn(tensors: dict) -> dict:
+        groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        out_t = {}
+        for k, v in tensors.items():
+            m = _re.match(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", k)
+            if m:
+                groups.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = v
+            else:
+                out_t[k] = v
+        for base, experts in groups.items():
+            order = sorted(experts)
+            out_t[f"{base}.gate_up_proj"] = torch.stack(
+                [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], 0) for e in order])
+            out_t[f"{base}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in order])
+        return out_t
+
+    return edit_tensors(src, out, fn)

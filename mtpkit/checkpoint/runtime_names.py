@@ -12,20 +12,32 @@ mappers) and vLLM's compressed-tensors ignore matching:
 
 - an entry is an exact module name, or ``re:<pattern>`` matched with Python ``re.match``
   (anchored at the start only, so ``re:mlp`` does not match ``model.layers.0.mlp.down_proj``);
-- a fused module is left unquantized when its own name is listed *exactly*, or when every
-  shard name (the fused name with the shard's leaf put back) is matched; shards that disagree
-  make vLLM refuse to load ("Found a different quantization schemes ...");
+- a fused module is left unquantized when an entry matches its own name (vLLM 0.30.0 and
+  later: exact or ``re:``; before: only an exact entry), or when every shard name (the fused
+  name with the shard's leaf put back) is matched; shards that disagree make vLLM refuse to
+  load ("Found different quantization schemes ...");
 - vLLM does not match class names (``Linear``) in ``ignore``; compressed-tensors and
   llm-compressor do (engine ``transformers`` / ``mtpkit`` here);
-- the Qwen3.5 VLM trunk (``model.language_model.*``) is built as ``language_model.model.*``;
-  vLLM rewrites exact (dotted, non-``re:``) ignore entries with the same prefix map before
-  matching, but never ``re:`` patterns; the MTP draft model has no such map;
-- vLLM builds one fused-MoE module per layer (``...mlp.experts``); per-expert entries count as
-  its shards (every expert's gate/up/down must be listed);
+- the Qwen3.5 VLM class (``*ForConditionalGeneration``) builds ``model.language_model.*`` as
+  ``language_model.model.*``; the text-only class (``Qwen3_5ForCausalLM``, vLLM 0.28.0 and
+  later) builds it as ``model.*``. vLLM rewrites exact (dotted, non-``re:``) ignore entries
+  with the same prefix map before matching, never ``re:`` patterns; the MTP draft model
+  (``mtp.*``) has no map of its own;
+- routed experts are one module per layer (``...mlp.experts``), decided by exactly three
+  names, ``...experts.0.gate_proj``, ``...experts.0.up_proj`` and ``...experts.0.down_proj``
+  (vLLM 0.14.0 and later; before, no ignore entry reached them): an entry naming
+  ``...mlp.experts`` itself is never consulted, whether the experts are stored one by one or
+  stacked (3-D ``experts.gate_up_proj`` / ``experts.down_proj``);
+- heads (``lm_head``, the DeepSeek/GLM MTP head, built as ``model.layers.{L}.head``) are
+  ``ParallelLMHead`` modules: quantized only when a config group's target names or matches
+  them (vLLM 0.20.0 and later), never through ``Linear``; embeddings likewise (0.25.0 and
+  later, int weight-only);
 - modules vLLM builds as plain ``nn.Linear``, routers (``GateLinear``, no quantization
-  config), convolutions or embeddings are never quantized: DeepSeek/GLM ``eh_proj``, MiMo
-  ``input_proj``, ``mlp.gate``, ``shared_expert_gate``, ``lm_head``/``shared_head.head``,
-  ``embed_tokens``, a vision ``patch_embed``.
+  config), convolutions are never quantized: DeepSeek/GLM ``eh_proj``, MiMo ``input_proj``,
+  ``mlp.gate``, ``shared_expert_gate``, a vision ``patch_embed``.
+
+The version-dependent rules are in ``VllmRules``; docs/doctor.md ("What vLLM loads") names
+the vLLM file and function each rule was read from.
 
 Engines: ``vllm``, ``sglang`` (vLLM's rules with its own names: DeepSeek MLA
 ``fused_qkv_a_proj_with_mqa``, the DeepSeek/GLM MTP block built as ``model.decoder.*`` with
@@ -44,16 +56,21 @@ from enum import Enum
 
 __all__ = [
     "ENGINES",
+    "VLLM_LATEST",
     "IgnoreStatus",
     "RuntimeModule",
+    "VllmRules",
     "describe",
     "disk_module_of",
     "entry_matches",
+    "expert_probe_names",
     "ignore_list_for",
     "ignore_status",
     "is_ignored",
     "map_ignore_entries",
+    "parse_version",
     "runtime_module",
+    "vllm_mtp_class",
 ]
 
 ENGINES = ("vllm", "sglang", "mtpkit", "transformers")
@@ -65,9 +82,79 @@ PARAM_SUFFIXES = (
     "weight_g_idx", "weight_global_scale", "input_scale", "input_global_scale",
     "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx",
 )
-# Qwen3.5 MoE stores experts stacked: ``...mlp.experts.gate_up_proj`` is a parameter of the
-# ``...mlp.experts`` module, not a module of its own.
+# Experts stored stacked (transformers 5): ``...mlp.experts.gate_up_proj`` [E, 2I, H] and
+# ``...mlp.experts.down_proj`` [E, H, I] are parameters of the ``...mlp.experts`` module.
 _STACKED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def parse_version(v: str | tuple | None) -> tuple[int, int, int]:
+    """``"0.30"`` / ``"0.30.1"`` / ``(0, 30)`` -> (0, 30, 0); None: the latest rules read."""
+    if v is None:
+        return VLLM_LATEST
+    if isinstance(v, tuple):
+        parts = list(v)
+    else:
+        m = re.fullmatch(r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:[.+-].*)?", str(v).strip())
+        if not m:
+            raise ValueError(f"vLLM version {v!r} is not of the form 0.30 or 0.30.1")
+        parts = [int(x) for x in m.groups() if x is not None]
+    return tuple((parts + [0, 0, 0])[:3])  # type: ignore[return-value]
+
+
+VLLM_LATEST = (0, 33, 0)
+
+
+@dataclass(frozen=True)
+class VllmRules:
+    """The ignore-list rules of one vLLM release (see docs/doctor.md, "What vLLM loads")."""
+
+    version: tuple[int, int, int] = VLLM_LATEST
+
+    @classmethod
+    def of(cls, version: str | tuple | None) -> VllmRules:
+        """The rules of a release (None: the latest read, 0.33.0)."""
+        return cls(parse_version(version))
+
+    @property
+    def fused_regex(self) -> bool:
+        """An entry matching a fused module's own name (``re:`` too) ignores it whole
+        (config_utils.find_matching_patterns, 0.30.0); before, only an exact fused name."""
+        return self.version >= (0, 30, 0)
+
+    @property
+    def experts_by_first(self) -> bool:
+        """Routed experts follow the ignore decisions for ``experts.0.{gate,up,down}_proj``
+        (CompressedTensorsMoEMethod.get_moe_method, 0.14.0); before, ignore never reached
+        them."""
+        return self.version >= (0, 14, 0)
+
+    @property
+    def heads_by_name(self) -> bool:
+        """A ParallelLMHead is quantized when a target names or matches it (0.20.0)."""
+        return self.version >= (0, 20, 0)
+
+    @property
+    def qwen35_text_map(self) -> bool:
+        """Qwen3_5ForCausalLM maps ``model.language_model.`` -> ``model.`` (0.28.0)."""
+        return self.version >= (0, 28, 0)
+
+    def applied(self) -> list[str]:
+        """One line per version-dependent rule, as it applies to this release."""
+        v = ".".join(map(str, self.version))
+        return [
+            f"vLLM {v}",
+            "ignore entries matching a fused module's name (re: included) ignore it whole"
+            if self.fused_regex else
+            "only an exact fused name, or entries for every shard, ignore a fused module",
+            "routed experts follow the entries for experts.0.gate_proj/up_proj/down_proj"
+            if self.experts_by_first else
+            "routed experts are quantized whatever the ignore list says",
+            "lm_head and MTP heads are quantized only when a target names them"
+            if self.heads_by_name else "lm_head and MTP heads are never quantized",
+            "text-only Qwen3.5: model.language_model. is renamed model."
+            if self.qwen35_text_map else "text-only Qwen3.5: no prefix rename",
+        ]
 
 
 class IgnoreStatus(str, Enum):
@@ -75,7 +162,7 @@ class IgnoreStatus(str, Enum):
 
     QUANTIZED = "quantized"  # built as a quantized module: needs quantized tensors on disk
     IGNORED = "ignored"  # left unquantized because the ignore list covers it
-    NOT_QUANTIZABLE = "not-quantizable"  # never quantized by this engine (nn.Linear, lm_head...)
+    NOT_QUANTIZABLE = "not-quantizable"  # never quantized by this engine (nn.Linear, router...)
     SHARD_CONFLICT = "shard-conflict"  # shards of one fused module disagree: vLLM refuses to load
 
 
@@ -88,22 +175,41 @@ class RuntimeModule:
     quantizable: bool = True  # False: the engine never quantizes it
     mtp: bool = False  # part of the MTP draft model (matched without the trunk's name map)
     fused: bool = False  # built from several on-disk modules (shards)
+    # linear | fused | experts (decided by experts.0.*) | head (ParallelLMHead) | embedding
+    kind: str = "linear"
+
+    @property
+    def by_name_only(self) -> bool:
+        """Quantized only when a target names or matches it (``Linear`` does not reach it)."""
+        return self.kind in ("head", "embedding")
 
 
 # -- families --------------------------------------------------------------------------------
 
 _QWEN35 = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
-_DEEPSEEK = {"deepseek_v3", "deepseek_v2", "deepseek_v32", "kimi_k2"}
+# MLA trunks: q_a_proj + kv_a_proj_with_mqa fused (DeepseekV2ForCausalLM and its kin).
+_MLA = {"deepseek_v3", "deepseek_v2", "deepseek_v32", "kimi_k2", "glm4_moe_lite", "glm_moe_dsa"}
+_DEEPSEEK = _MLA  # kept for callers that import the old name
 _GLM = {"glm4_moe"}
-# Architectures whose vLLM class is a VLM wrapper with the Qwen3-VL name map (the VLM
-# release layout; a ``*_text`` model_type is the text-only class without it).
-_VLM_MAPPED = {"qwen3_5", "qwen3_5_moe"}
-# vLLM's hf_to_vllm_mapper prefixes for those classes (HF name -> engine name).
+# model_type -> the MTP draft class vLLM builds (config/speculative.py, hf_config_override);
+# deepseek_v2 and kimi_k2 have none there: their MTP tensors are never drafted with.
+_VLLM_MTP_CLASS = {
+    "deepseek_v3": "DeepSeekMTP", "deepseek_v32": "DeepseekV32MTP",
+    "glm_moe_dsa": "DeepseekV32MTP", "glm4_moe": "Glm4MoeMTP",
+    "glm4_moe_lite": "Glm4MoeLiteMTP", "mimo": "MiMoMTP", "qwen3_next": "Qwen3NextMTP",
+    "qwen3_5": "Qwen3_5MTP", "qwen3_5_text": "Qwen3_5MTP", "qwen3_5_moe": "Qwen3_5MoeMTP",
+    "qwen3_5_moe_text": "Qwen3_5MoeMTP",
+}
+# Families whose MTP layer sits at model.layers.{L + i} with enorm/hnorm/eh_proj/shared_head.
+_NEXTN = _MLA | _GLM
+_NEXTN_OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+# vLLM's hf_to_vllm_mapper prefixes of the Qwen3.5 VLM classes (HF name -> engine name).
 _VLM_PREFIXES = (
-    ("model.language_model.", "language_model.model."),
     ("model.visual.", "visual."),
     ("lm_head.", "language_model.lm_head."),
+    ("model.language_model.", "language_model.model."),
 )
+_TEXT_PREFIXES = (("model.language_model.", "model."),)
 
 _BASE_FUSIONS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -118,12 +224,17 @@ _QWEN35_GDN = {
 _MLA_A = ("q_a_proj", "kv_a_proj_with_mqa")
 
 
+def vllm_mtp_class(model_type: str | None) -> str | None:
+    """The MTP draft class vLLM 0.33.0 builds for this model_type (None: none)."""
+    return _VLLM_MTP_CLASS.get(model_type or "")
+
+
 def _fusions(model_type: str | None, engine: str, mtp: bool, config: dict | None) -> dict:
     """fused leaf -> shard leaves for this family and engine."""
     if engine not in _FUSING:
         return {}
     mt = model_type or ""
-    if mt in _DEEPSEEK:
+    if mt in _MLA:
         out = {"gate_up_proj": _BASE_FUSIONS["gate_up_proj"]}
         # Without a q LoRA (q_lora_rank: null) there is no q_a_proj to fuse with; an absent
         # field means the class default (a q LoRA).
@@ -175,6 +286,28 @@ def _check_engine(engine: str) -> None:
         )
 
 
+def _prefix_map(model_type: str | None, config: dict | None, rules: VllmRules):
+    """The trunk's HF -> vLLM prefix map: the class is chosen from ``architectures`` as vLLM
+    does (the model_type when the config names none)."""
+    mt = model_type or ""
+    if mt not in _QWEN35:
+        return ()
+    archs = (config or {}).get("architectures") or []
+    arch = archs[0] if archs else ""
+    if arch.endswith("ForConditionalGeneration") or (not arch and mt in ("qwen3_5",
+                                                                          "qwen3_5_moe")):
+        return _VLM_PREFIXES
+    return _TEXT_PREFIXES if rules.qwen35_text_map else ()
+
+
+def _apply_prefixes(name: str, prefixes) -> str:
+    # vLLM's WeightsMapper tries every prefix in turn on the running name.
+    for hf, ours in prefixes:
+        if name.startswith(hf):
+            name = ours + name[len(hf):]
+    return name
+
+
 # -- on-disk name -> runtime module ----------------------------------------------------------
 
 
@@ -184,21 +317,32 @@ def disk_module_of(tensor_name: str) -> tuple[str, str]:
     return (head, last) if head else (tensor_name, "")
 
 
-_NEVER_QUANTIZED_LEAVES = ("eh_proj", "input_proj", "lm_head", "head", "embed_tokens")
+def expert_probe_names(experts: str) -> tuple[str, str, str]:
+    """The three names vLLM decides a routed-experts module by (experts.0.*)."""
+    return tuple(f"{experts}.0.{p}" for p in _EXPERT_PROJS)  # type: ignore[return-value]
+
+
+_NEVER_QUANTIZED_LEAVES = ("eh_proj", "input_proj")
 
 
 def describe(
-    disk_module: str, model_type: str | None, engine: str = "vllm", *, config: dict | None = None
+    disk_module: str, model_type: str | None, engine: str = "vllm", *, config: dict | None = None,
+    vllm_version: str | tuple | None = None,
 ) -> RuntimeModule:
-    """The runtime module an engine builds for one on-disk module (see the module docstring)."""
+    """The runtime module an engine builds for one on-disk module (see the module docstring).
+
+    A stacked-experts module (``...mlp.experts`` holding 3-D ``gate_up_proj``/``down_proj``)
+    and each per-expert module describe the same ``...mlp.experts`` runtime module."""
     _check_engine(engine)
+    rules = VllmRules.of(vllm_version)
     name = disk_module
     mtp = False
     n_layer = _num_layers(config)
     mt = model_type or ""
     if engine not in _FUSING:
         # mtpkit and transformers build the on-disk modules as they are.
-        return RuntimeModule(name, (), _quantizable_leaf(name), _is_mtp_name(name, n_layer))
+        kind = _leaf_kind(name)
+        return RuntimeModule(name, (), kind != "never", _is_mtp_name(name, n_layer), kind=kind)
 
     # MTP layouts first: they decide the prefix and which name map applies.
     if name.startswith("mtp."):
@@ -215,34 +359,37 @@ def describe(
     elif m := re.match(r"model\.layers\.(\d+)\.(.+)$", name):
         rest = m[2]
         deep = n_layer is not None and int(m[1]) >= n_layer
-        if deep or rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head"):
+        own = rest.split(".")[0] in _NEXTN_OWN
+        if deep or own and rest.split(".")[0] != "embed_tokens":
             mtp = True
-            if engine == "sglang" and (mt in _DEEPSEEK or mt in _GLM) and deep:
+            if engine == "sglang" and mt in _NEXTN and deep:
                 # SGLang's NextN model: the block is model.decoder, its own modules model.*
-                own = rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head")
                 name = f"model.{rest}" if own else f"model.decoder.{rest}"
-    elif engine == "vllm" and mt in _VLM_MAPPED:
-        for hf, ours in _VLM_PREFIXES:
-            if name.startswith(hf):
-                name = ours + name[len(hf):]
-                break
+            elif engine == "vllm" and rest == "shared_head.head":
+                # SharedHead builds its ParallelLMHead under the layer's prefix + "head".
+                name = f"model.layers.{m[1]}.head"
+    if not mtp and engine == "vllm":
+        name = _apply_prefixes(name, _prefix_map(mt, config, rules))
+        if name == "lm_head" and _prefix_map(mt, config, rules) is _VLM_PREFIXES:
+            name = "language_model.lm_head"
+
+    kind = _leaf_kind(name)
+    if kind != "linear":
+        return RuntimeModule(name, (), kind != "never", mtp, kind=kind)
+
+    # Routed experts: one module per layer, decided by its expert 0's three projections.
+    m = re.match(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$", name)
+    stacked = name.endswith(".mlp.experts")
+    if m or stacked:
+        base = m[1] if m else name
+        if engine == "sglang":
+            # SGLang's rule is not re-read here: every expert's three names, as before.
+            count = _num_experts(config)
+            experts = range(count) if count else [int(m[2]) if m else 0]
+            shards = tuple(f"{base}.{e}.{p}" for e in experts for p in _EXPERT_PROJS)
         else:
-            if name == "lm_head" and isinstance((config or {}).get("text_config"), dict):
-                name = "language_model.lm_head"
-
-    if not _quantizable_leaf(name):
-        return RuntimeModule(name, (), False, mtp)
-
-    # Experts: one fused-MoE module per layer; per-expert modules are its shards.
-    if m := re.match(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$", name):
-        base = m[1]
-        count = _num_experts(config)
-        experts = range(count) if count else [int(m[2])]
-        shards = tuple(f"{base}.{e}.{p}" for e in experts for p in ("gate_proj", "up_proj",
-                                                                      "down_proj"))
-        return RuntimeModule(base, shards, True, mtp, fused=True)
-    if name.endswith(".experts"):
-        return RuntimeModule(name, (), True, mtp)
+            shards = expert_probe_names(base)
+        return RuntimeModule(base, shards, True, mtp, fused=True, kind="experts")
 
     prefix, _, leaf = name.rpartition(".")
     for fused, shard_leaves in _fusions(mt, engine, mtp, config).items():
@@ -251,21 +398,26 @@ def describe(
             if engine == "sglang" and mtp and mt in _QWEN35:
                 # SGLang's Qwen3.5 MTP class declares no packed-modules mapping (sglang#35797):
                 # only the fused name itself can exclude the module.
-                return RuntimeModule(runtime, (), True, mtp, fused=True)
+                return RuntimeModule(runtime, (), True, mtp, fused=True, kind="fused")
             shards = tuple(f"{prefix}.{s}" if prefix else s for s in shard_leaves)
-            return RuntimeModule(runtime, shards, True, mtp, fused=True)
+            return RuntimeModule(runtime, shards, True, mtp, fused=True, kind="fused")
     return RuntimeModule(name, (), True, mtp)
 
 
-def _quantizable_leaf(name: str) -> bool:
+def _leaf_kind(name: str) -> str:
+    """linear | head | embedding | never, from the module's name."""
     leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("lm_head", "head"):
+        return "head"
+    if leaf == "embed_tokens":
+        return "embedding"
     if leaf in _NEVER_QUANTIZED_LEAVES or leaf.endswith("norm") or leaf.endswith("layernorm"):
-        return False
+        return "never"
     # MoE routers are GateLinear / unquantized linears; patch embeddings are convolutions.
     if name.endswith(".mlp.gate") or leaf == "shared_expert_gate" or "patch_embed" in name:
-        return False
+        return "never"
     # vLLM builds the gated-delta conv1d as a linear layer without a quantization config.
-    return leaf not in ("conv1d", "A_log", "dt_bias")
+    return "never" if leaf in ("conv1d", "A_log", "dt_bias") else "linear"
 
 
 def _is_mtp_name(name: str, n_layer: int | None) -> bool:
@@ -276,10 +428,12 @@ def _is_mtp_name(name: str, n_layer: int | None) -> bool:
 
 
 def runtime_module(
-    disk_module: str, model_type: str | None, engine: str = "vllm", *, config: dict | None = None
+    disk_module: str, model_type: str | None, engine: str = "vllm", *, config: dict | None = None,
+    vllm_version: str | tuple | None = None,
 ) -> str:
     """On-disk module path -> the module name the engine builds (its quantization prefix)."""
-    return describe(disk_module, model_type, engine, config=config).name
+    return describe(disk_module, model_type, engine, config=config,
+                    vllm_version=vllm_version).name
 
 
 # -- ignore matching -------------------------------------------------------------------------
@@ -302,38 +456,39 @@ def map_ignore_entries(
     *,
     mtp: bool = False,
     config: dict | None = None,
+    vllm_version: str | tuple | None = None,
 ) -> list[str]:
-    """The ignore list as the engine holds it after its HF -> engine name map (vLLM VLMs;
-    SGLang's DeepSeek/GLM MTP layer, renamed model.decoder like its weights)."""
+    """The ignore list as the engine holds it after its HF -> engine name map (vLLM's Qwen3.5
+    classes; SGLang's DeepSeek/GLM MTP layer, renamed model.decoder like its weights)."""
     ignore = list(ignore)
     mt = model_type or ""
     n_layer = _num_layers(config)
-    if engine == "sglang" and mtp and (mt in _DEEPSEEK or mt in _GLM) and n_layer is not None:
+    if engine == "sglang" and mtp and mt in _NEXTN and n_layer is not None:
         out = []
         for entry in ignore:
             m = re.match(r"model\.layers\.(\d+)\.(.+)$", entry)
             if m and int(m[1]) >= n_layer and not entry.startswith("re:"):
-                own = m[2].split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head")
+                own = m[2].split(".")[0] in _NEXTN_OWN
                 entry = f"model.{m[2]}" if own else f"model.decoder.{m[2]}"
             out.append(entry)
         return out
-    if engine != "vllm" or mtp or mt not in _VLM_MAPPED:
+    prefixes = _prefix_map(mt, config, VllmRules.of(vllm_version)) if engine == "vllm" else ()
+    if not prefixes:
         return ignore
-    out = []
-    for entry in ignore:
-        # vLLM maps dotted, non-regex entries only; class names and re: patterns stay.
-        if "." in entry and not entry.startswith("re:"):
-            for hf, ours in _VLM_PREFIXES:
-                if entry.startswith(hf):
-                    entry = ours + entry[len(hf):]
-                    break
-        out.append(entry)
-    return out
+    # The draft model shares the target's quantization config, whose entries the target's
+    # class has mapped already (exact ``mtp.*`` entries pass through it unchanged).
+    # vLLM maps dotted, non-regex entries only; class names and re: patterns stay.
+    return [_apply_prefixes(e, prefixes) if "." in e and not e.startswith("re:") else e
+            for e in ignore]
 
 
 def is_class_name(entry: str) -> bool:
     """Whether a compressed-tensors ignore entry or target names a class ("Linear")."""
     return not entry.startswith("re:") and "." not in entry and entry[:1].isupper()
+
+
+def _matched(name: str, entries: list[str]) -> bool:
+    return any(entry_matches(e, name) for e in entries)
 
 
 def ignore_status(
@@ -343,26 +498,57 @@ def ignore_status(
     engine: str = "vllm",
     *,
     config: dict | None = None,
+    targets: Iterable[str] | None = None,
+    vllm_version: str | tuple | None = None,
 ) -> IgnoreStatus:
     """Whether the engine builds this on-disk module quantized, given a compressed-tensors
-    ``ignore`` list (see the module docstring for the rules)."""
-    rt = describe(disk_module, model_type, engine, config=config)
+    ``ignore`` list and the config groups' ``targets`` (None: ``["Linear"]``, what quantize
+    and llm-compressor write); see the module docstring for the rules."""
+    rules = VllmRules.of(vllm_version)
+    rt = describe(disk_module, model_type, engine, config=config, vllm_version=vllm_version)
     if not rt.quantizable:
         return IgnoreStatus.NOT_QUANTIZABLE
-    entries = map_ignore_entries(ignore, model_type, engine, mtp=rt.mtp, config=config)
+    entries = map_ignore_entries(ignore, model_type, engine, mtp=rt.mtp, config=config,
+                                 vllm_version=vllm_version)
+    tlist = ["Linear"] if targets is None else list(targets)
+    if rt.by_name_only:
+        if engine == "vllm" and rt.kind == "head" and not rules.heads_by_name:
+            return IgnoreStatus.NOT_QUANTIZABLE
+        if engine in _FUSING:
+            # Targets go through the same name map as ignore entries, then meet the runtime
+            # name only (a target naming ...shared_head.head misses model.layers.{L}.head).
+            named = map_ignore_entries([t for t in tlist if not is_class_name(t)], model_type,
+                                       engine, mtp=rt.mtp, config=config,
+                                       vllm_version=vllm_version)
+            hit = any(entry_matches(t, rt.name) for t in named)
+        else:
+            # compressed-tensors' own matching: "Linear" reaches an lm_head
+            hit = any(t == "Linear" or entry_matches(t, disk_module) for t in tlist)
+        if not hit:
+            return IgnoreStatus.NOT_QUANTIZABLE
     if engine not in _FUSING:
         # compressed-tensors' own matching: names, regexes and class names ("Linear" is every
         # linear layer; the modules asked about here are linear layers).
         hit = any(entry_matches(e, rt.name) or e == "Linear" for e in entries)
         return IgnoreStatus.IGNORED if hit else IgnoreStatus.QUANTIZED
     names = [e for e in entries if not is_class_name(e)]  # vLLM does not match classes
-    if rt.shards and rt.name not in names:
-        hits = {any(entry_matches(e, s) for e in names) for s in rt.shards}
+    if rt.kind == "experts" and engine == "vllm":
+        if not rules.experts_by_first:
+            return IgnoreStatus.QUANTIZED
+        hits = {_matched(s, names) for s in rt.shards}
         if len(hits) > 1:
             return IgnoreStatus.SHARD_CONFLICT
         return IgnoreStatus.IGNORED if hits == {True} else IgnoreStatus.QUANTIZED
-    hit = any(entry_matches(e, rt.name) for e in names)
-    return IgnoreStatus.IGNORED if hit else IgnoreStatus.QUANTIZED
+    if rt.shards:
+        whole = (_matched(rt.name, names) if engine == "vllm" and rules.fused_regex
+                 else rt.name in names)
+        if whole:
+            return IgnoreStatus.IGNORED
+        hits = {_matched(s, names) for s in rt.shards}
+        if len(hits) > 1:
+            return IgnoreStatus.SHARD_CONFLICT
+        return IgnoreStatus.IGNORED if hits == {True} else IgnoreStatus.QUANTIZED
+    return IgnoreStatus.IGNORED if _matched(rt.name, names) else IgnoreStatus.QUANTIZED
 
 
 def is_ignored(
@@ -372,11 +558,14 @@ def is_ignored(
     engine: str = "vllm",
     *,
     config: dict | None = None,
+    targets: Iterable[str] | None = None,
+    vllm_version: str | tuple | None = None,
 ) -> bool:
     """True when the engine leaves this module unquantized (ignored, or never quantized).
 
     A shard conflict (vLLM refuses to load) is False here; ``ignore_status`` reports it."""
-    status = ignore_status(disk_module, ignore, model_type, engine, config=config)
+    status = ignore_status(disk_module, ignore, model_type, engine, config=config,
+                           targets=targets, vllm_version=vllm_version)
     return status in (IgnoreStatus.IGNORED, IgnoreStatus.NOT_QUANTIZABLE)
 
 
@@ -389,9 +578,13 @@ def ignore_list_for(
 ) -> list[str]:
     """Ignore entries that keep exactly these on-disk modules unquantized: the on-disk names
     (for llm-compressor / transformers) and the engine's fused or renamed names (for the
-    engine; ``engine="all"``: for vLLM and SGLang at once), sorted and deduplicated. Raises
-    ValueError when only some shards of a fused module are given: no ignore list can make
-    vLLM load that."""
+    engine; ``engine="all"``: for vLLM and SGLang at once), sorted and deduplicated.
+
+    Routed experts (stored one by one, or a stacked ``...mlp.experts`` module) add the three
+    ``experts.0.*`` names vLLM decides them by. Exact entries only: they hold in every vLLM
+    release read (0.14.0 to 0.33.0), where ``re:`` entries on fused names do not. Raises
+    ValueError when only some shards of a fused module (or some experts of a layer) are
+    given: no ignore list can make vLLM load that."""
     disk = sorted(set(disk_modules))
     out: set[str] = set(disk)
     if engine == "all":
@@ -406,7 +599,9 @@ def ignore_list_for(
         rt = describe(d, model_type, engine, config=config)
         by_runtime.setdefault(rt.name, (rt, set()))[1].add(d)
     for name, (rt, members) in by_runtime.items():
-        if rt.shards:
+        if rt.kind == "experts":
+            _check_experts_complete(name, members, config)
+        elif rt.shards:
             member_shards = {_runtime_shard_of(d, model_type, engine, config) for d in members}
             missing = [s for s in rt.shards if s not in member_shards]
             if missing:
@@ -417,15 +612,34 @@ def ignore_list_for(
                     "of its shards unquantized, or none."
                 )
         out.add(name)
+        out.update(rt.shards)
+        if rt.kind == "experts" and engine == "vllm":
+            out.discard(name)  # never consulted: the experts.0.* names decide
     return sorted(out)
+
+
+def _check_experts_complete(name: str, members: set[str], config: dict | None) -> None:
+    # A stacked module is every expert at once; per-expert modules must all be there.
+    if any(m.endswith(".mlp.experts") for m in members):
+        return
+    count = _num_experts(config)
+    if not count:
+        return
+    have = {m.rsplit(".", 2)[-2:][0] + "." + m.rsplit(".", 1)[-1] for m in members}
+    want = {f"{e}.{p}" for e in range(count) for p in _EXPERT_PROJS}
+    missing = sorted(want - have)
+    if missing:
+        raise ValueError(
+            f"{sorted(members)[0]}: vLLM builds the experts of {name} as one module, quantized "
+            f"or not as a whole; experts {', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''} would stay quantized. Keep every expert "
+            "of the layer unquantized, or none."
+        )
 
 
 def _runtime_shard_of(disk: str, model_type, engine, config) -> str:
     """The runtime shard name of an on-disk shard module (its runtime prefix + disk leaf)."""
     rt = describe(disk, model_type, engine, config=config)
     leaf = disk.rsplit(".", 1)[-1]
-    if rt.name.endswith(".experts"):
-        m = re.search(r"\.experts\.(\d+)\.\w+$", disk)
-        return f"{rt.name}.{m[1]}.{leaf}" if m else rt.name
     prefix = rt.name.rpartition(".")[0]
     return f"{prefix}.{leaf}" if prefix else leaf

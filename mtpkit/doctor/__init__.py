@@ -8,11 +8,11 @@ from __future__ import annotations
 __all__ = ["diagnose", "fix_config", "graft"]
 
 
-def diagnose(path, engines=None):
+def diagnose(path, engines=None, vllm_version=None):
     """Static checks of a checkpoint folder or GGUF file (see ``checks.diagnose``)."""
     from .checks import diagnose as _diagnose
 
-    return _diagnose(path, engines)
+    return _diagnose(path, engines, vllm_version)
 
 
 def graft(*args, **kwargs):

@@ -7,12 +7,17 @@ from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.runtime_names import (
+    _NEXTN as _NEXTN_FAMILIES,
+)
+from ..checkpoint.runtime_names import (
     IgnoreStatus,
+    VllmRules,
     describe,
     entry_matches,
     ignore_status,
     is_class_name,
     map_ignore_entries,
+    vllm_mtp_class,
 )
 from .findings import Finding, Report
 from .layout import (
@@ -29,6 +34,8 @@ from .layout import (
 )
 
 HF_ENGINES = ("vllm", "sglang", "mtpkit")
+# model_types with MTP-style layers vLLM builds no MTP draft for (config/speculative.py).
+_NO_VLLM_MTP = {"deepseek_v2", "kimi_k2"}
 GGUF_ENGINES = ("llama.cpp", "mtpkit")
 ALL_ENGINES = ("vllm", "sglang", "llama.cpp", "mtpkit")
 _FUSING = ("vllm", "sglang")
@@ -58,8 +65,9 @@ def _out_name(path, tag: str) -> str:
     return f"{str(p).rstrip('/')}-{tag}"
 
 
-def diagnose(path, engines=None) -> Report:
-    """Run every static check on a checkpoint folder or GGUF file for the given engines."""
+def diagnose(path, engines=None, vllm_version=None) -> Report:
+    """Run every static check on a checkpoint folder or GGUF file for the given engines;
+    ``vllm_version`` ("0.28", None: the latest rules read) picks vLLM's ignore-list rules."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint folder or file")
@@ -77,7 +85,8 @@ def diagnose(path, engines=None) -> Report:
     if is_gguf:
         rep = _gguf_checks(p, [e for e in wanted if e in GGUF_ENGINES])
     else:
-        rep = _hf_checks(p, [e for e in wanted if e in HF_ENGINES])
+        VllmRules.of(vllm_version)  # a malformed version is a user mistake, said up front
+        rep = _hf_checks(p, [e for e in wanted if e in HF_ENGINES], vllm_version)
     rep.engines = list(wanted)
     return rep
 
@@ -91,7 +100,7 @@ def _magic(p: Path) -> bytes:
 # HF folders
 
 
-def _hf_checks(path: Path, engines: list[str]) -> Report:
+def _hf_checks(path: Path, engines: list[str], vllm_version=None) -> Report:
     lay = read_hf(path)
     rep = Report(str(path), "hf", lay.model_type, engines)
     mt = lay.text_model_type
@@ -107,7 +116,7 @@ def _hf_checks(path: Path, engines: list[str]) -> Report:
     if model is not None:
         _check_shapes(rep, lay, model, bool(mtp_names))
     if lay.quant_config:
-        _check_quantization(rep, lay, engines)
+        _check_quantization(rep, lay, engines, vllm_version)
     _check_mtp_precision(rep, lay)
     _check_dtypes(rep, lay)
     return rep
@@ -139,6 +148,16 @@ def _check_presence(rep, lay: HFLayout, mtp_names, n_mtp, key, declared, engines
                 "there is nothing to draft with", f"mtpkit calibrate --model {path} --data "
                 "<text files> --out <head dir>", subject="mtp.*"))
         return
+    if "vllm" in engines and vllm_mtp_class(mt) is None and mt in _NO_VLLM_MTP:
+        rep.add(Finding(
+            "engine-no-mtp-class", "warning",
+            f"{len(mtp_names)} MTP tensors are stored, but vLLM has no MTP draft model for "
+            f"model_type {mt!r}",
+            "vLLM picks the MTP draft class from the model_type (deepseek_v3, deepseek_v32, "
+            "glm_moe_dsa, glm4_moe, glm4_moe_lite, qwen3_next, qwen3_5*, mimo); for this one "
+            "--speculative-config method mtp has nothing to build",
+            "set model_type to the family the weights follow (deepseek_v3 for a DeepSeek-V3 "
+            "layout) if that is what they are", ["vllm"], "model_type"))
     if not declared_n:
         severity = "error"
         why = ("engines enable the MTP head from this field: without it the head's "
@@ -323,7 +342,7 @@ def _check_dtypes(rep, lay: HFLayout) -> None:
 # -- quantization --------------------------------------------------------------------------
 
 
-def _check_quantization(rep, lay: HFLayout, engines) -> None:
+def _check_quantization(rep, lay: HFLayout, engines, version=None) -> None:
     q = lay.quant_config
     method = str(q.get("quant_method", "")).lower()
     path = lay.path
@@ -341,8 +360,11 @@ def _check_quantization(rep, lay: HFLayout, engines) -> None:
         return  # mtpkit decides precision by the tensors on disk, not the config
     if method == "compressed-tensors":
         for engine in fusing:
-            _check_ct_modules(rep, lay, engine)
-            _check_ct_entries(rep, lay, engine)
+            for f in _ct_module_findings(lay, engine, version):
+                rep.add(f)
+            _check_ct_entries(rep, lay, engine, version)
+        if "vllm" in fusing:
+            _check_vllm_versions(rep, lay, version)
     elif method == "awq":
         skip = list(q.get("modules_to_not_convert") or [])
         for engine in fusing:
@@ -361,21 +383,22 @@ def _linear_modules(lay: HFLayout):
     return [m for m in lay.modules.values() if m.linear]
 
 
+def ct_targets(lay: HFLayout) -> list[str]:
+    """Every config group's targets (compressed-tensors)."""
+    return [t for group in (lay.quant_config.get("config_groups") or {}).values()
+            for t in group.get("targets") or []]
+
+
 def _ct_targeted(lay: HFLayout, module: str, runtime: str) -> bool:
-    for group in (lay.quant_config.get("config_groups") or {}).values():
-        for t in group.get("targets") or []:
-            if t == "Linear" or entry_matches(t, runtime) or entry_matches(t, module):
-                return True
+    for t in ct_targets(lay):
+        if t == "Linear" or entry_matches(t, runtime) or entry_matches(t, module):
+            return True
     return False
 
 
 def _ct_names(lay: HFLayout, module: str) -> bool:
     """Whether a config group targets this module by name (not by class)."""
-    for group in (lay.quant_config.get("config_groups") or {}).values():
-        for t in group.get("targets") or []:
-            if not is_class_name(t) and entry_matches(t, module):
-                return True
-    return False
+    return any(not is_class_name(t) and entry_matches(t, module) for t in ct_targets(lay))
 
 
 def _mtp_code(lay: HFLayout, name: str) -> str:
@@ -383,64 +406,147 @@ def _mtp_code(lay: HFLayout, name: str) -> str:
             else "unquantized-not-ignored")
 
 
-def _check_ct_modules(rep, lay: HFLayout, engine: str) -> None:
+# Where one of vLLM's version-dependent ignore rules changes (VllmRules): the releases from
+# each of these to the next behave alike.
+_VLLM_STEPS = ((0, 14, 0), (0, 20, 0), (0, 28, 0), (0, 30, 0))
+
+
+def _vname(v) -> str:
+    return ".".join(map(str, v))
+
+
+def _ct_module_findings(lay: HFLayout, engine: str, version=None) -> list[Finding]:
+    """What the engine builds for each stored module, against how it is stored."""
     ignore = list(lay.quant_config.get("ignore") or [])
+    targets = ct_targets(lay)
     mt, path = lay.model_type, lay.path
+    rules = VllmRules.of(version)
+    ver = f" {_vname(rules.version)}" if engine == "vllm" and version is not None else ""
+    eng = f"{engine}{ver}"
+    out: list[Finding] = []
     not_ignored: dict[str, list[str]] = {}
     fused_only: list[str] = []
     conflicts: dict[str, list[str]] = {}
     quant_but_ignored: list[str] = []
     named_heads: list[str] = []
+    unnamed_heads: list[str] = []
+    experts_by_module: list[str] = []
+    old_fused_regex: list[str] = []
+    stacked_mtp: list[str] = []
     for mod in _linear_modules(lay):
         try:
-            rt = describe(mod.name, mt, engine, config=lay.raw)
-            status = ignore_status(mod.name, ignore, mt, engine, config=lay.raw)
+            rt = describe(mod.name, mt, engine, config=lay.raw, vllm_version=version)
+            status = ignore_status(mod.name, ignore, mt, engine, config=lay.raw,
+                                   targets=targets, vllm_version=version)
         except ValueError as e:
-            rep.add(Finding("unknown-model-type", "info", str(e), "", "", [engine], mod.name))
+            out.append(Finding("unknown-model-type", "info", str(e), "", "", [engine],
+                               mod.name))
             continue
+        if (engine == "vllm" and mod.stacked_experts and rt.mtp and mt in _NEXTN_FAMILIES):
+            stacked_mtp.append(mod.name)
+        names = [e for e in map_ignore_entries(ignore, mt, engine, mtp=rt.mtp, config=lay.raw,
+                                               vllm_version=version)
+                 if not is_class_name(e)]
         if status == IgnoreStatus.SHARD_CONFLICT:
             conflicts.setdefault(rt.name, []).append(mod.name)
         elif status == IgnoreStatus.QUANTIZED and mod.fmt == "float":
             if not _ct_targeted(lay, mod.name, rt.name):
                 continue  # no config group targets it: the engine leaves it unquantized
-            if rt.fused and not rt.shards and ignore_status(
-                    mod.name, ignore, mt, "vllm", config=lay.raw) == IgnoreStatus.IGNORED:
+            shown = mod.name if rt.name == mod.name else f"{mod.name} (built as {rt.name})"
+            if rt.kind == "experts" and engine == "vllm" and any(
+                    entry_matches(e, rt.name) for e in names):
+                experts_by_module.append(shown)
+            elif (rt.kind == "fused" and engine == "vllm" and not rules.fused_regex
+                  and any(entry_matches(e, rt.name) for e in names)):
+                old_fused_regex.append(shown)
+            elif rt.fused and not rt.shards and ignore_status(
+                    mod.name, ignore, mt, "vllm", config=lay.raw,
+                    vllm_version=version) == IgnoreStatus.IGNORED:
                 fused_only.append(f"{mod.name} -> {rt.name}")
             else:
-                not_ignored.setdefault(_mtp_code(lay, mod.name), []).append(
-                    mod.name if rt.name == mod.name else f"{mod.name} (built as {rt.name})")
+                not_ignored.setdefault(_mtp_code(lay, mod.name), []).append(shown)
         elif status != IgnoreStatus.QUANTIZED and mod.fmt != "float":
-            if (mod.name.rsplit(".", 1)[-1] == "lm_head" and status != IgnoreStatus.IGNORED
-                    and _ct_names(lay, mod.name)):
-                named_heads.append(mod.name)
+            if rt.kind == "head" and status == IgnoreStatus.NOT_QUANTIZABLE:
+                unnamed_heads.append(shown_name(mod.name, rt.name))
             else:
                 quant_but_ignored.append(mod.name)
-    eng = f"{engine}"
-    if named_heads:
+        elif rt.kind == "head" and mod.fmt != "float" and status == IgnoreStatus.QUANTIZED:
+            named_heads.append(mod.name)
+    if named_heads and engine in ("vllm", "sglang"):
         # vLLM builds the lm_head as a ParallelLMHead, not a Linear: a compressed-tensors
         # scheme reaches it only through a target naming it, and only in recent versions.
-        since = {"vllm": "vllm#37291 (March 2026)", "sglang": "sglang#35228 (August 2026)"}
-        rep.add(Finding(
+        since = {"vllm": "vllm#37291 (March 2026; 0.20.0 and later)",
+                 "sglang": "sglang#35228 (August 2026)"}
+        out.append(Finding(
             "quantized-lm-head", "warning",
             f"{_few(named_heads)} is stored quantized and named in a config group's targets",
-            f"{eng} loads a quantized lm_head only in versions with {since[engine]}; older "
-            "ones build it as a float embedding and serve wrong tokens without an error",
-            f"use a {eng} release with that change, or write the checkpoint with "
+            f"{engine} loads a quantized lm_head only in versions with {since[engine]}; "
+            "older ones build it as a float embedding and serve wrong tokens without an error",
+            f"use a {engine} release with that change, or write the checkpoint with "
             "`mtpkit quantize --lm-head keep`", [engine], named_heads[0]))
+    if unnamed_heads:
+        out.append(Finding(
+            "quantized-head-not-targeted", "error",
+            f"{len(unnamed_heads)} heads are stored quantized but {eng} builds them "
+            f"unquantized (no config group's target names the module it builds"
+            f"{'' if rules.heads_by_name or engine != 'vllm' else ', and it predates 0.20.0'}"
+            f"): {_few(unnamed_heads)}",
+            f"{eng} builds lm_head and the DeepSeek/GLM MTP head (model.layers.{{L}}.head, not "
+            "shared_head.head) as a ParallelLMHead, which a \"Linear\" target never reaches "
+            "and a target reaches only by its runtime name: it is built as a float head over "
+            "packed tensors (a load failure or garbage logits)",
+            "add the runtime name (as shown) to the targets of the head's config group, or "
+            "store the head in BF16: " + graft_cmd(path), [engine], unnamed_heads[0]))
+    if experts_by_module:
+        out.append(Finding(
+            "ignore-experts-module-name", "error",
+            f"{len(experts_by_module)} expert modules are stored unquantized and the ignore "
+            f"list names the experts module, which {eng} never consults: "
+            f"{_few(sorted(experts_by_module))}",
+            f"{eng} decides a whole ...mlp.experts module from exactly three names, "
+            "...experts.0.gate_proj, ...experts.0.up_proj and ...experts.0.down_proj "
+            "(compressed-tensors MoE method selection); with \"Linear\" among the targets the "
+            "experts are built quantized over float weights"
+            + (": 0% draft acceptance" if any(_is_mtp_shown(lay, n) for n in experts_by_module)
+               else ""),
+            fix_config_cmd(path) + "   (adds the experts.0.* names)", [engine],
+            "quantization_config.ignore"))
+    if old_fused_regex:
+        out.append(Finding(
+            "ignore-fused-regex-old-vllm", "error",
+            f"{len(old_fused_regex)} fused modules are stored unquantized and ignored only by a "
+            f"pattern matching the fused name, which {eng} does not apply: "
+            f"{_few(sorted(old_fused_regex))}",
+            "vLLM before 0.30.0 excludes a fused module only by its exact name or by entries "
+            "for every shard; from 0.30.0 a re: pattern matching the fused name is enough",
+            fix_config_cmd(path) + "   (adds the exact fused names), or serve with vLLM "
+            "0.30.0 or later", [engine], "quantization_config.ignore"))
+    if stacked_mtp:
+        out.append(Finding(
+            "mtp-experts-stacked-unloadable", "error",
+            f"the MTP layer's routed experts are stored stacked (3-D experts.gate_up_proj / "
+            f"experts.down_proj): {_few(stacked_mtp)}",
+            f"vLLM's {vllm_mtp_class(lay.text_model_type) or 'DeepSeek/GLM'} weight loader maps "
+            "only per-expert names (experts.E.gate_proj/up_proj/down_proj.weight): loading the "
+            "draft fails whatever the ignore list says",
+            "store the MTP layer's experts one by one: " + graft_cmd(path).replace(
+                "<the BF16 release with its MTP head>",
+                "<a release that stores the MTP experts one by one>"), [engine],
+            stacked_mtp[0]))
     for code, mods in not_ignored.items():
         mtp = code.startswith("mtp")
-        rep.add(Finding(
+        out.append(Finding(
             code, "error",
             f"{len(mods)} {'MTP ' if mtp else ''}modules are stored unquantized but the "
             f"quantization config quantizes them in {eng}: {_few(sorted(mods))}",
             f"{eng} matches quantization_config.ignore against the modules it builds (fused "
-            "qkv_proj / gate_up_proj, renamed prefixes); these are built quantized, find no "
-            "quantized tensors and run on uninitialised memory"
+            "qkv_proj / gate_up_proj, experts by experts.0.*, renamed prefixes); these are "
+            "built quantized, find no quantized tensors and run on uninitialised memory"
             + (": 0% draft acceptance" if mtp else ""),
             fix_config_cmd(path) + "   (adds the engine's names to the ignore list)",
             [engine], "quantization_config.ignore"))
     if fused_only:
-        rep.add(Finding(
+        out.append(Finding(
             "ignore-shards-not-fused", "error",
             f"the ignore list names the on-disk shards of {len(fused_only)} MTP modules that "
             f"{eng} builds fused: {_few(fused_only)}",
@@ -450,16 +556,17 @@ def _check_ct_modules(rep, lay: HFLayout, engine: str) -> None:
             fix_config_cmd(path) + "   (adds the fused names)", [engine],
             "quantization_config.ignore"))
     for fused, mods in conflicts.items():
-        rep.add(Finding(
+        out.append(Finding(
             "ignore-shard-conflict", "error",
             f"the ignore list covers some but not all shards of {fused}: "
             f"{_few(sorted(mods))}",
-            f"{eng} fuses the shards into one module and refuses to load when they disagree "
-            "(\"Found a different quantization schemes\")",
+            f"{eng} fuses the shards (or experts.0.gate_proj/up_proj/down_proj) into one "
+            "module and refuses to load when they disagree (\"Found different quantization "
+            "schemes\")",
             fix_config_cmd(path) + "   (lists every shard and the fused name)", [engine],
             fused))
     if quant_but_ignored:
-        rep.add(Finding(
+        out.append(Finding(
             "quantized-but-ignored", "error",
             f"{len(quant_but_ignored)} modules are stored quantized but {eng} builds them "
             f"unquantized: {_few(sorted(quant_but_ignored))}",
@@ -467,27 +574,67 @@ def _check_ct_modules(rep, lay: HFLayout, engine: str) -> None:
             "load fails or the module is left uninitialised",
             "remove them from quantization_config.ignore, or " + graft_cmd(path),
             [engine], "quantization_config.ignore"))
+    return out
 
 
-def _check_ct_entries(rep, lay: HFLayout, engine: str) -> None:
+def shown_name(disk: str, runtime: str) -> str:
+    """A module as findings show it: its on-disk name, and the engine's when it differs."""
+    return disk if disk == runtime else f"{disk} (built as {runtime})"
+
+
+def _is_mtp_shown(lay: HFLayout, shown: str) -> bool:
+    return is_mtp_tensor(shown.split(" ")[0] + ".w", lay.n_layer)
+
+
+def _check_vllm_versions(rep, lay: HFLayout, version) -> None:
+    """Which vLLM releases load this checkpoint's quantized modules as stored (the module
+    rules only), and the rules applied."""
+    rules = VllmRules.of(version)
+    rep.facts["vllm_rules"] = rules.applied()
+    ok, ok_but_heads = {}, {}
+    for i, start in enumerate(_VLLM_STEPS):
+        end = _VLLM_STEPS[i + 1] if i + 1 < len(_VLLM_STEPS) else None
+        span = (f"{start[0]}.{start[1]}-{end[0]}.{end[1] - 1}" if end
+                else f"{start[0]}.{start[1]}+")
+        bad = [f.code for f in _ct_module_findings(lay, "vllm", start)
+               if f.severity == "error"]
+        ok[span] = not bad
+        ok_but_heads[span] = not [c for c in bad if c != "quantized-head-not-targeted"]
+    rep.facts["vllm_versions_ok"] = ok
+    good = [s for s, v in ok.items() if v]
+    # A quantized lm_head's versions are what quantized-lm-head says already.
+    explained = "quantized-lm-head" in rep.codes() and all(ok_but_heads.values())
+    if good and len(good) < len(ok) and not explained:
+        rep.add(Finding(
+            "vllm-version-range", "warning" if ok[list(ok)[-1]] else "info",
+            f"the quantization config loads as stored in vLLM {', '.join(good)} only "
+            f"(not {', '.join(s for s, v in ok.items() if not v)})",
+            "vLLM's ignore-list rules changed across releases (docs/doctor.md, \"What vLLM "
+            "loads\"); run doctor with --vllm-version X for the findings of one release",
+            fix_config_cmd(lay.path) + "   (writes exact names, which every release honours)",
+            ["vllm"], "quantization_config.ignore"))
+
+
+def _check_ct_entries(rep, lay: HFLayout, engine: str, version=None) -> None:
     """Ignore entries that name nothing the engine builds."""
     ignore = list(lay.quant_config.get("ignore") or [])
     fix = fix_config_cmd(lay.path) + "   (rewrites the ignore list in the engine's names)"
-    for entry, code, severity, what, why in entry_problems(lay, ignore, engine):
+    for entry, code, severity, what, why in entry_problems(lay, ignore, engine, version):
         rep.add(Finding(code, severity, what, why, "" if severity == "info" else fix,
                         [engine], entry))
 
 
-def _runtime_modules(lay: HFLayout, engine: str):
+def _runtime_modules(lay: HFLayout, engine: str, version=None):
     """What ``engine`` builds for each on-disk module it knows (others are skipped)."""
     for mod in lay.modules.values():
         try:
-            yield describe(mod.name, lay.model_type, engine, config=lay.raw)
+            yield describe(mod.name, lay.model_type, engine, config=lay.raw,
+                           vllm_version=version)
         except ValueError:
             continue
 
 
-def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]:
+def entry_problems(lay: HFLayout, ignore: list[str], engine: str, version=None) -> list[tuple]:
     """(entry, code, severity, what, why) for every ignore entry the engine does not apply."""
     if not ignore or engine not in _FUSING:
         return []
@@ -496,12 +643,16 @@ def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]
     regex_ok: set[str] = set()  # names a re: entry is tested against
     fused_names: set[str] = set()
     leaves_nq: set[str] = set()
-    for rt in _runtime_modules(lay, engine):
+    fused_regex = engine == "vllm" and VllmRules.of(version).fused_regex
+    for rt in _runtime_modules(lay, engine, version):
         exact.add(rt.name)
-        if not rt.quantizable:
+        if not rt.quantizable or rt.by_name_only:
             leaves_nq.add(rt.name.rsplit(".", 1)[-1])
         if rt.shards:
-            fused_names.add(rt.name)
+            if rt.kind == "fused" and not fused_regex:
+                fused_names.add(rt.name)
+            else:
+                regex_ok.add(rt.name)
             exact.update(rt.shards)
             regex_ok.update(rt.shards)
         else:
@@ -531,6 +682,16 @@ def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]
                 continue
             if any(pat.match(n) for n in regex_ok):
                 continue
+            renamed = _renamed_prefix_hint(lay, pat, engine, version)
+            if renamed:
+                out.append((entry, "ignore-regex-renamed-prefix", "warning",
+                            f"ignore entry {entry!r} matches on-disk names under a prefix "
+                            f"{engine} renames ({renamed}); it matches nothing {engine} "
+                            "builds",
+                            "vLLM rewrites exact ignore entries with the class's name map "
+                            "but never re: patterns; the modules it was meant to keep "
+                            "unquantized are built quantized"))
+                continue
             hint = _regex_hint(pat, fused_names, disk, regex_ok, exact)
             out.append((entry, "ignore-regex-no-match", "warning",
                         f"ignore entry {entry!r} matches no module {engine} builds{hint}",
@@ -544,7 +705,8 @@ def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]
                         "class names in ignore (compressed-tensors does)", ""))
             continue
         mapped = map_ignore_entries([entry], mt, engine, config=lay.raw,
-                                    mtp=is_mtp_tensor(entry + ".w", lay.n_layer))[0]
+                                    mtp=is_mtp_tensor(entry + ".w", lay.n_layer),
+                                    vllm_version=version)[0]
         if mapped in exact or entry in exact:
             continue
         if "." not in entry and entry in leaves_nq:
@@ -556,14 +718,15 @@ def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]
             # An on-disk name serves llm-compressor / transformers; it is only a problem for
             # this engine when the engine still builds that module quantized.
             try:
-                if ignore_status(entry, ignore, mt, engine, config=lay.raw) in (
+                if ignore_status(entry, ignore, mt, engine, config=lay.raw,
+                                 targets=ct_targets(lay), vllm_version=version) in (
                         IgnoreStatus.IGNORED, IgnoreStatus.NOT_QUANTIZABLE):
                     continue
             except ValueError:
                 pass
             try:
                 hint = (f"; {engine} builds it as "
-                        f"{describe(entry, mt, engine, config=lay.raw).name}")
+                        f"{describe(entry, mt, engine, config=lay.raw, vllm_version=version).name}")
             except ValueError:
                 pass
         out.append((entry, "ignore-matches-nothing", "warning",
@@ -573,10 +736,23 @@ def entry_problems(lay: HFLayout, ignore: list[str], engine: str) -> list[tuple]
     return out
 
 
+def _renamed_prefix_hint(lay: HFLayout, pat, engine: str, version) -> str:
+    """"model.language_model. -> ..." when the pattern matches on-disk names only under a
+    prefix the engine's name map rewrites (a Qwen3.5 class)."""
+    if engine != "vllm":
+        return ""
+    from ..checkpoint.runtime_names import _prefix_map
+
+    for hf, ours in _prefix_map(lay.model_type, lay.raw, VllmRules.of(version)):
+        if any(n.startswith(hf) and pat.match(n) for n in lay.modules):
+            return f"{hf} -> {ours}"
+    return ""
+
+
 def _regex_hint(pat, fused, disk, regex_ok, exact) -> str:
     if any(pat.match(n) for n in fused):
-        return (" (it matches a fused module's name, but a fused module is excluded only by "
-                "its exact name or by patterns matching every shard)")
+        return (" (it matches a fused module's name, but before vLLM 0.30.0 a fused module "
+                "is excluded only by its exact name or by patterns matching every shard)")
     if any(pat.match(n) for n in disk):
         return " (it matches the on-disk names, not the names the engine builds)"
     if any(pat.search(n) for n in regex_ok | exact):
@@ -594,7 +770,7 @@ def _check_skip_list(rep, lay: HFLayout, engine: str, skipped, what: str) -> Non
             rt = describe(mod.name, mt, engine, config=lay.raw)
         except ValueError:
             continue
-        if not rt.quantizable or skipped(rt.name):
+        if not rt.quantizable or rt.by_name_only or skipped(rt.name):
             continue
         by_code.setdefault(_mtp_code(lay, mod.name), []).append(rt.name)
     for code, mods in by_code.items():

@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
     p.add_argument("path", help="checkpoint folder or .gguf file")
     p.add_argument("--engine", choices=ENGINE_CHOICES, default="all",
                    help="apply this engine's loading rules (default: all)")
+    p.add_argument("--vllm-version", metavar="X",
+                   help="apply the ignore-list rules of this vLLM release (e.g. 0.28; "
+                        "default: the latest read, 0.33); the report's facts list them")
     p.add_argument("--measure", action="store_true",
                    help="also load it in mtpkit and measure teacher-mode acceptance on a "
                         "built-in sample")
@@ -72,7 +75,7 @@ def _print(report, as_json: bool) -> None:
 def _cmd_doctor(a) -> int:
     from .checks import diagnose
 
-    report = diagnose(a.path, _engines(a.engine))
+    report = diagnose(a.path, _engines(a.engine), vllm_version=a.vllm_version)
     if a.reference and not a.measure:
         raise ValueError("--reference compares measured acceptance: add --measure")
     if a.measure:

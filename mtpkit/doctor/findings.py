@@ -33,6 +33,18 @@ CODES = {
     "ignore-regex-no-match": "a re: ignore pattern matches no module the engine builds",
     "ignore-regex-invalid": "a re: ignore pattern is not a valid regular expression",
     "ignore-class-name": "a class-name ignore entry, which vLLM does not apply",
+    "ignore-experts-module-name": "experts stored unquantized are ignored by the experts "
+                                  "module's name, which vLLM never consults (experts.0.*)",
+    "ignore-fused-regex-old-vllm": "a fused module is ignored only by a pattern on its fused "
+                                   "name, which vLLM before 0.30.0 does not apply",
+    "ignore-regex-renamed-prefix": "a re: ignore pattern is written for a prefix vLLM renames "
+                                   "(patterns are never renamed)",
+    "mtp-experts-stacked-unloadable": "the DeepSeek/GLM MTP layer's experts are stored stacked, "
+                                      "which vLLM's MTP loader cannot read",
+    "quantized-head-not-targeted": "a head stored quantized is built unquantized: no target "
+                                   "names its runtime name",
+    "engine-no-mtp-class": "MTP tensors stored for a model_type vLLM builds no MTP draft for",
+    "vllm-version-range": "the quantization config loads as stored in some vLLM releases only",
     "quantized-tensors-missing": "a module stored quantized lacks tensors its format needs",
     "quantized-but-ignored": "a module stored quantized is left unquantized by the engine",
     "quantized-lm-head": "the lm_head is stored quantized: engines load it only in recent versions",

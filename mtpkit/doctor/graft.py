@@ -172,7 +172,7 @@ def _fix_quant_lists(lay: HFLayout, q: dict, engines) -> list[str]:
         skip = list(q.get("modules_to_not_convert") or [])
         new = sorted({describe(m.name, mt, e, config=lay.raw).name for m in floats
                       for e in _fusing(engines)
-                      if describe(m.name, mt, e, config=lay.raw).quantizable}
+                      if _class_quantized(describe(m.name, mt, e, config=lay.raw))}
                      - set(skip))
         new = [n for n in new if not any(s and s in n for s in skip)]
         if new:
@@ -186,7 +186,7 @@ def _fix_quant_lists(lay: HFLayout, q: dict, engines) -> list[str]:
             for e in _fusing(engines):
                 rt = describe(m.name, mt, e, config=lay.raw)
                 key = "-:" + re.escape(rt.name) + "$"
-                if rt.quantizable and key not in dyn:
+                if _class_quantized(rt) and key not in dyn:
                     dyn[key] = {}
                     added += 1
         if added:
@@ -196,10 +196,15 @@ def _fix_quant_lists(lay: HFLayout, q: dict, engines) -> list[str]:
     return []
 
 
+def _class_quantized(rt) -> bool:
+    """Whether a class target ("Linear") makes the engine quantize this runtime module."""
+    return rt.quantizable and not rt.by_name_only
+
+
 def _fix_ct_ignore(lay: HFLayout, q: dict, engines) -> list[str]:
     """Ignore list = the old entries every engine honours + exact entries (on-disk and engine
     names) for every module stored unquantized that a config group targets."""
-    from .checks import _ct_targeted, entry_problems
+    from .checks import _ct_targeted, ct_targets, entry_problems
 
     old = list(q.get("ignore") or [])
     mt = lay.model_type
@@ -220,8 +225,8 @@ def _fix_ct_ignore(lay: HFLayout, q: dict, engines) -> list[str]:
             continue
         if not any(_ct_targeted(lay, n, rname) for n in members):
             continue
-        if all(ignore_status(n, old, mt, e, config=lay.raw) in (IgnoreStatus.IGNORED,
-                                                              IgnoreStatus.NOT_QUANTIZABLE)
+        if all(ignore_status(n, old, mt, e, config=lay.raw, targets=ct_targets(lay))
+               in (IgnoreStatus.IGNORED, IgnoreStatus.NOT_QUANTIZABLE)
                for n in members) and rname not in _flagged_fused(lay, old, e):
             continue
         keep_float.update(members)
@@ -490,7 +495,8 @@ def _match_hf_precision(head: dict, lay: HFLayout) -> tuple[dict, str]:
         if name.endswith(".weight") and t.dim() == 2:
             mod = name[: -len(".weight")]
             rt = describe(mod, mt, "vllm", config=lay.raw)
-            if rt.quantizable:
+            # Heads stay as stored: "Linear" targets never reach a ParallelLMHead in vLLM.
+            if _class_quantized(rt):
                 groups.setdefault(rt.name, []).append(mod)
     out = dict(head)
     done = kept = 0

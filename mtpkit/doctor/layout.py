@@ -99,6 +99,9 @@ class Module:
     missing: list[str] = field(default_factory=list)  # required quantized suffixes absent
     bits: int | None = None
     linear: bool = False  # a 2-D weight or quantized tensors: a projection
+    # Routed experts stored stacked (3-D ``gate_up_proj`` / ``down_proj`` parameters of
+    # ``...mlp.experts``): one module holding every expert's projections.
+    stacked_experts: bool = False
 
 
 @dataclass
@@ -210,6 +213,10 @@ def _modules(layout: HFLayout) -> dict[str, Module]:
         else:
             w = p.get("weight")
             mod.linear = w is not None and len(layout.shapes[w]) == 2
+            stacked = [p[k] for k in ("gate_up_proj", "down_proj") if k in p]
+            if mod.name.endswith(".mlp.experts") and stacked and all(
+                    len(layout.shapes[t]) == 3 for t in stacked):
+                mod.linear = mod.stacked_experts = True
     return out
 
 

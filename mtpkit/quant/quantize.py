@@ -156,7 +156,8 @@ def quantize_checkpoint(
         index = shards.finish()
         report.bytes_out = index["metadata"]["total_size"]
         head_done = "lm_head" in report.quantized
-        report.ignore = _ignore_list(report.kept, layout, lm_head=not head_done)
+        kept = [*report.kept, *layout.stacked_experts(ckpt.tensor_names())]
+        report.ignore = _ignore_list(kept, layout, lm_head=not head_done)
         config = json.loads((src / "config.json").read_text())
         if head is not None:
             _declare_head(config, ckpt, tmp)
@@ -165,7 +166,7 @@ def quantize_checkpoint(
                 if isinstance(c, dict) and "tie_word_embeddings" in c:
                     c["tie_word_embeddings"] = False
         config["quantization_config"] = _quant_config(scheme, groups, report.ignore,
-                                                      layout.model_type,
+                                                      layout,
                                                       plan["lm_head"] if head_done else None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -210,6 +211,11 @@ class _Layout:
         config = dict(hf_config_of(ckpt))
         self.config = config
         self.model_type = config.get("model_type")
+        # Engine names follow the checkpoint's own config.json (a VLM wrapper's architectures
+        # and model_type decide vLLM's class and name map), not the merged text config.
+        raw = getattr(ckpt, "raw_config", None)
+        self.raw = dict(raw) if isinstance(raw, dict) else config
+        self.raw_model_type = self.raw.get("model_type") or self.model_type
         cls = family_for(self.model_type)
         with torch.device("meta"):
             self.model = cls(cls.config_class.from_hf_config(config))
@@ -229,6 +235,26 @@ class _Layout:
         if not isinstance(owner, nn.Linear):
             return None
         return name[: -len(".weight")], mapped.startswith("mtp.")
+
+    def is_head(self, prefix: str) -> bool:
+        """A module vLLM builds as a ParallelLMHead (lm_head, the DeepSeek/GLM MTP head)."""
+        from ..checkpoint.runtime_names import describe
+
+        try:
+            return describe(prefix, self.raw_model_type, config=self.raw).kind == "head"
+        except ValueError:
+            return prefix == "lm_head"
+
+    def stacked_experts(self, names) -> list[str]:
+        """Modules holding stacked 3-D experts (``...mlp.experts`` with gate_up_proj /
+        down_proj): quantize writes them as stored, so they are always left float."""
+        out = set()
+        for n in names:
+            head, _, last = n.rpartition(".")
+            if head.endswith(".mlp.experts") and last in ("gate_up_proj", "down_proj"):
+                if self.model.map_checkpoint_name(n) is not None:
+                    out.add(head)
+        return sorted(out)
 
     def is_combine(self, name: str) -> bool:
         """The MTP projection of [embedding, hidden] (eh_proj / fc / input_proj)."""
@@ -253,7 +279,12 @@ def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None,
         if linear is None:
             continue
         prefix, is_mtp = linear
-        use = mtp_scheme if is_mtp else lm_head if name.startswith("lm_head.") else scheme
+        # vLLM builds every head (lm_head, a DeepSeek/GLM MTP layer's shared_head.head) as a
+        # ParallelLMHead that "Linear" does not reach: heads follow --lm-head, MTP or not.
+        if layout.is_head(prefix):
+            use = lm_head
+        else:
+            use = mtp_scheme if is_mtp else scheme
         shape = tuple(ckpt.get_tensor(name).shape) if not hasattr(ckpt, "tensor_shape") \
             else tuple(ckpt.tensor_shape(name))
         if use is None or layout.is_combine(name) or len(shape) != 2:
@@ -275,7 +306,7 @@ def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None,
     # kept unquantized (a shape the kernels cannot take) keeps its siblings too.
     fused: dict[str, list[str]] = {}
     for prefix in plan:
-        fused.setdefault(runtime_module(prefix, layout.model_type, config=layout.config),
+        fused.setdefault(runtime_module(prefix, layout.raw_model_type, config=layout.raw),
                          []).append(prefix)
     for members in fused.values():
         schemes = {plan[m] for m in members}
@@ -370,19 +401,25 @@ def _ignore_list(kept: list[str], layout: _Layout, lm_head: bool = True) -> list
     # An unquantized lm_head is listed even when tied to the embedding, as llm-compressor
     # writes it.
     names = {*kept, "lm_head"} if lm_head else set(kept)
-    return ignore_list_for(sorted(names), layout.model_type, config=layout.config)
+    return ignore_list_for(sorted(names), layout.raw_model_type, config=layout.raw)
 
 
-def _quant_config(scheme, groups: dict, ignore: list[str], model_type,
+def _quant_config(scheme, groups: dict, ignore: list[str], layout,
                   head_scheme=None) -> dict:
     """compressed-tensors quantization_config; ``groups``: each scheme written -> its on-disk
     modules; ``head_scheme``: the quantized lm_head's."""
     from ..checkpoint.runtime_names import runtime_module
 
-    # A quantized lm_head is named as well as matched by class: vLLM builds it as a
-    # ParallelLMHead, not a Linear, and matches its quantization by name.
+    def names_of(m: str) -> set[str]:
+        return {runtime_module(m, layout.raw_model_type, config=layout.raw), m}
+
+    # A quantized head is named as well as matched by class: vLLM builds it as a
+    # ParallelLMHead, not a Linear, and quantizes it only when a target names it (a Qwen3.5
+    # VLM's as language_model.lm_head, a DeepSeek/GLM MTP layer's as model.layers.{L}.head).
+    heads = {n for mods in groups.values() for m in mods if layout.is_head(m)
+             for n in names_of(m)}
     same_head = head_scheme is not None and head_scheme == scheme
-    targets: dict = {scheme: ["Linear", "lm_head"] if same_head else ["Linear"]}
+    targets: dict = {scheme: ["Linear", *sorted(heads)] if same_head else ["Linear"]}
     for sch, modules in groups.items():
         if sch == scheme:
             continue
@@ -390,12 +427,11 @@ def _quant_config(scheme, groups: dict, ignore: list[str], model_type,
         # exact names outrank the class target in vLLM's and compressed-tensors' matching.
         # vLLM matches the modules it builds (fused qkv_proj, gate_up_proj), transformers
         # those on disk: both are listed.
-        names = {n for m in modules if m != "lm_head"
-                 for n in (runtime_module(m, model_type), m)}
+        names = {n for m in modules if not layout.is_head(m) for n in names_of(m)}
         if names:
             targets[sch] = sorted(names)
     if head_scheme is not None and not same_head:
-        targets.setdefault(head_scheme, []).append("lm_head")
+        targets.setdefault(head_scheme, []).extend(sorted(heads))
     entries = list(targets.items())
     formats = {s.format for s, _ in entries}
     cfg_groups = {}

@@ -1,0 +1,496 @@
+"""Quantized checkpoints against vLLM's own ignore-list rules, re-implemented here from vLLM
+0.33.0's source (not from mtpkit.checkpoint.runtime_names, which they check):
+
+- vllm/model_executor/layers/quantization/utils/config_utils.py, find_matching_patterns and
+  is_equal_or_regex_match: an entry matching a module's own name decides it (``re:`` with
+  re.match); otherwise a packed module is ignored when every shard is;
+- .../compressed_tensors/utils.py, should_ignore_layer (shards that disagree: ValueError) and
+  find_matched_target (name, then packed shards, then the class name by substring);
+- .../compressed_tensors/compressed_tensors_moe/compressed_tensors_moe.py, get_moe_method:
+  routed experts are decided by ``{prefix}.0.gate_proj/up_proj/down_proj`` alone;
+- .../compressed_tensors/compressed_tensors.py, get_quant_method: a ParallelLMHead is
+  quantized only through a target naming it (its class name does not contain "linear");
+- the model classes for module prefixes and packed_modules_mapping: deepseek_v2.py
+  (DeepseekV2ForCausalLM), deepseek_mtp.py (SharedHead builds ``{layer}.head``, eh_proj is an
+  nn.Linear), glm4_moe.py / glm4_moe_mtp.py, qwen3_next.py / qwen3_next_mtp.py,
+  qwen3_5.py / qwen3_5_mtp.py (Qwen3_5ForConditionalGeneration's prefix map).
+
+Older releases differ where VllmRules says (fused-name patterns before 0.30.0, heads before
+0.20.0, experts before 0.14.0, the text-only Qwen3.5 rename before 0.28.0).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import broken
+import pytest
+import tiny
+import torch
+from safetensors import safe_open
+
+from mtpkit.checkpoint.runtime_names import VllmRules, ignore_list_for, ignore_status
+from mtpkit.cli import main
+from mtpkit.doctor import diagnose, fix_config
+from mtpkit.quant.pack import Scheme
+from mtpkit.quant.quantize import quantize_checkpoint
+
+# -- vLLM 0.33.0's matching, written out from its source ---------------------------------------
+
+
+def _match(value: str, target: str) -> bool:
+    # config_utils.is_equal_or_regex_match
+    if target.startswith("re:"):
+        return re.match(target[3:], value) is not None
+    return target == value
+
+
+def vllm_ignored(layer: str, ignore: list[str], packed: dict) -> bool:
+    """compressed_tensors/utils.should_ignore_layer over find_matching_patterns (0.33.0)."""
+    if any(_match(layer, p) for p in ignore):
+        return True
+    proj = layer.split(".")[-1]
+    if proj not in packed:
+        return False
+    hits = [any(_match(layer.replace(proj, s), p) for p in ignore) for s in packed[proj]]
+    if any(hits) and not all(hits):
+        raise ValueError(f"Found different quantization schemes for the shards of {layer}")
+    return all(hits)
+
+
+def vllm_targeted(layer: str, cls: str, targets: list[str], packed: dict) -> bool:
+    """find_matched_target: the name, every packed shard's name, or the class by substring."""
+    if any(_match(layer, t) for t in targets):
+        return True
+    fused = next((k for k in packed if layer.endswith(k)), None)
+    if fused and all(any(_match(layer.replace(fused, s), t) for t in targets)
+                     for s in packed[fused]):
+        return True
+    return any(t.lower() in cls.lower() for t in targets if not t.startswith("re:"))
+
+
+QKV_GATE_UP = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+# packed_modules_mapping of the class each family's trunk (and so its DeepSeek/GLM MTP draft,
+# which declares none) and Qwen MTP draft is built with.
+PACKED = {
+    "deepseek_v3": {"gate_up_proj": ["gate_proj", "up_proj"],
+                    "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]},
+    "glm4_moe": QKV_GATE_UP,
+    "qwen3_next": {**QKV_GATE_UP, "in_proj_qkvz": ["in_proj_qkvz"], "in_proj_ba": ["in_proj_ba"]},
+    "qwen3_5_moe": {**QKV_GATE_UP, "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
+                    "in_proj_ba": ["in_proj_b", "in_proj_a"]},
+}
+MTP_PACKED = {"qwen3_next": QKV_GATE_UP, "qwen3_5_moe": QKV_GATE_UP}
+# The loaders' stacked_params_mapping: on-disk leaf -> the packed module it is loaded into.
+SHARD_OF = {s: fused for m in PACKED.values() for fused, shards in m.items() for s in shards
+            if s != fused}
+
+
+def built_modules(names: list[str], cfg: dict, model_type: str) -> dict:
+    """runtime prefix -> (kind, mtp, on-disk modules) for every module vLLM may quantize."""
+    text = cfg.get("text_config", cfg)
+    n_layer = text["num_hidden_layers"]
+    vlm = (cfg.get("architectures") or [""])[0].endswith("ForConditionalGeneration")
+    out: dict[str, tuple[str, bool, set]] = {}
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        if leaf in ("gate_up_proj", "down_proj") and module.endswith(".mlp.experts"):
+            pass  # stacked experts: the module itself
+        elif leaf not in ("weight", "weight_packed", "weight_scale", "weight_shape",
+                          "weight_zero_point"):
+            continue
+        else:
+            leaf_mod = module.rsplit(".", 1)[-1]
+            if leaf_mod in ("eh_proj", "gate", "shared_expert_gate", "embed_tokens", "A_log",
+                            "conv1d", "dt_bias") or "norm" in leaf_mod or "visual" in module:
+                continue  # nn.Linear, GateLinear, quant_config=None, embeddings, non-linear
+        rt, mtp = module, False
+        if module.startswith("mtp."):
+            mtp = True
+        elif m := re.match(r"model\.layers\.(\d+)\.(.+)$", module):
+            mtp = int(m[1]) >= n_layer
+            if mtp and m[2] == "shared_head.head":
+                rt = f"model.layers.{m[1]}.head"  # deepseek_mtp.SharedHead
+        if not mtp and vlm:  # Qwen3_5ForConditionalGeneration.hf_to_vllm_mapper
+            rt = rt.replace("model.language_model.", "language_model.model.", 1)
+            rt = "language_model.lm_head" if rt == "lm_head" else rt
+        kind = "linear"
+        if m := re.match(r"(.+\.mlp\.experts)(\.\d+\.\w+)?$", rt):
+            rt, kind = m[1], "experts"
+        elif rt.endswith(("lm_head", ".head")):
+            kind = "head"
+        else:
+            prefix, _, last = rt.rpartition(".")
+            fused = SHARD_OF.get(last)
+            packed = (MTP_PACKED.get(model_type, PACKED[model_type]) if mtp
+                      else PACKED[model_type])
+            if fused and fused in packed:
+                rt = f"{prefix}.{fused}"
+        out.setdefault(rt, (kind, mtp, set()))[2].add(module)
+    return out
+
+
+def vllm_builds_quantized(rt: str, kind: str, mtp: bool, qc: dict, model_type: str) -> bool:
+    """Whether vLLM 0.33.0 builds this module quantized (ValueError where it refuses)."""
+    ignore = list(qc.get("ignore") or [])
+    targets = [t for g in qc["config_groups"].values() for t in g["targets"]]
+    packed = MTP_PACKED.get(model_type, PACKED[model_type]) if mtp else PACKED[model_type]
+    if kind == "experts":
+        probes = [f"{rt}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+        decided = {not vllm_ignored(p, ignore, packed)
+                   and vllm_targeted(p, "RoutedExperts", targets + (
+                       ["RoutedExperts"] if "Linear" in targets else []), packed)
+                   for p in probes}
+        if len(decided) > 1:
+            raise ValueError(f"{rt}: All MoE projections need to have same quantization scheme")
+        return decided.pop()
+    if vllm_ignored(rt, ignore, packed):
+        return False
+    return vllm_targeted(rt, "ParallelLMHead" if kind == "head" else "RowParallelLinear",
+                         targets, packed)
+
+
+def stored_quantized(folder: Path, modules: set) -> bool:
+    """Whether these on-disk modules are stored quantized (all alike: asserted)."""
+    names = set()
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            names |= set(h.keys())
+    kinds = {any(n.startswith(m + ".") and n.rsplit(".", 1)[-1] in (
+        "weight_packed", "weight_scale") for n in names) for m in modules}
+    assert len(kinds) == 1, f"{sorted(modules)[:3]}: stored partly quantized"
+    return kinds.pop()
+
+
+def assert_vllm_loads(folder: Path, model_type: str) -> int:
+    """Every module vLLM builds is built as it is stored; returns how many were checked."""
+    cfg = json.loads((folder / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    names = []
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            names += list(h.keys())
+    built = built_modules(names, cfg, model_type)
+    wrong = {}
+    for rt, (kind, mtp, mods) in built.items():
+        want = stored_quantized(folder, mods)
+        got = vllm_builds_quantized(rt, kind, mtp, qc, model_type)
+        if got != want:
+            wrong[rt] = f"stored {'quantized' if want else 'float'}, built " \
+                        f"{'quantized' if got else 'float'}"
+    assert not wrong, wrong
+    assert any(k == "experts" and mtp for k, mtp, _ in built.values()), "no MTP experts seen"
+    return len(built)
+
+
+# -- tiny MoE checkpoints with MTP experts, stored one by one and stacked ------------------------
+
+
+def _qwen3_5_moe():
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    cfg = Qwen3_5MoeTextConfig(
+        vocab_size=tiny.VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"], partial_rotary_factor=0.25,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    return Qwen3_5MoeForCausalLM(cfg)
+
+
+MOE_FAMILIES = {
+    "qwen3_next": next(f for f in tiny.FAMILIES if f.name == "qwen3_next_moe"),
+    "glm4_moe": next(f for f in tiny.FAMILIES if f.name == "glm4_moe"),
+    "deepseek_v3": next(f for f in tiny.FAMILIES if f.name == "deepseek_v3"),
+    "qwen3_5_moe": tiny.Family("qwen3_5_moe", _qwen3_5_moe,
+                               mtp_config_key="mtp_num_hidden_layers", vlm_layout=True),
+}
+
+
+def _unstack(folder: Path) -> None:
+    # transformers may save Qwen3.5-MoE experts stacked; the per-expert layout is the base.
+    def fn(tensors):
+        out = {}
+        for k, v in tensors.items():
+            if k.endswith(".mlp.experts.gate_up_proj"):
+                half = v.shape[1] // 2
+                for e in range(v.shape[0]):
+                    out[f"{k[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = v[e, :half]
+                    out[f"{k[:-len('gate_up_proj')]}{e}.up_proj.weight"] = v[e, half:]
+            elif k.endswith(".mlp.experts.down_proj"):
+                for e in range(v.shape[0]):
+                    out[f"{k[:-len('down_proj')]}{e}.down_proj.weight"] = v[e]
+            else:
+                out[k] = v
+        return out
+
+    from safetensors.torch import load_file, save_file
+
+    for f in folder.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({k: v.contiguous() for k, v in fn(tensors).items()}, str(f),
+                  metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    """(family, layout) -> a float checkpoint with a one-layer MTP head whose MLP is MoE."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, layout: str) -> Path:
+        key = (family, layout)
+        if key in made:
+            return made[key]
+        if layout == "stacked":
+            made[key] = broken.stack_experts(
+                get(family, "per-expert"), tmp_path_factory.mktemp(f"{family}-stacked"))
+            return made[key]
+        fam = MOE_FAMILIES[family]
+        out = tmp_path_factory.mktemp(family)
+        tiny.write_checkpoint(fam, out)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tiny.add_mtp_head(out, fam, steps=0, separate_file=False)
+        _unstack(out)
+        made[key] = out
+        return out
+
+    return get
+
+
+def _scheme(name: str) -> Scheme:
+    return {"w4a16": Scheme("w4a16", 32), "w4a8": Scheme("w4a8", 32), "w8a16": Scheme("w8a16"),
+            "w8a8": Scheme("w8a8"), "fp8": Scheme("fp8")}[name]
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "stacked"])
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a8", "w8a16", "w8a8", "fp8"])
+def test_quantize_ignore_list_matches_what_is_float(moe_checkpoints, tmp_path, family, layout,
+                                                     scheme):
+    src = moe_checkpoints(family, layout)
+    out = tmp_path / "q"
+    quantize_checkpoint(src, out, _scheme(scheme), mtp="keep", fit_groups=True)
+    assert assert_vllm_loads(out, family) > 10
+    rep = diagnose(out, ["vllm"])
+    codes = rep.codes()
+    bad = {"mtp-unquantized-not-ignored", "unquantized-not-ignored", "ignore-shard-conflict",
+           "quantized-but-ignored", "ignore-experts-module-name", "quantized-head-not-targeted",
+           "ignore-matches-nothing", "ignore-regex-no-match"}
+    assert not codes & bad, rep.to_json()
+    # DeepSeek/GLM MTP loaders read experts one by one only: stacked ones cannot load.
+    stacked_ds = layout == "stacked" and family in ("glm4_moe", "deepseek_v3")
+    assert ("mtp-experts-stacked-unloadable" in codes) == stacked_ds
+    assert rep.facts["vllm_versions_ok"]["0.30+"] is not stacked_ds
+
+
+def test_the_check_fails_on_the_old_ignore_list(moe_checkpoints, tmp_path):
+    # The list mtpkit used to write for stacked experts: no experts.0.* entry, the experts
+    # module by name. vLLM builds the MTP experts quantized over float weights.
+    out = tmp_path / "q"
+    quantize_checkpoint(moe_checkpoints("deepseek_v3", "stacked"), out, Scheme("w4a16", 32),
+                        fit_groups=True)
+    cfg = json.loads((out / "config.json").read_text())
+    ignore = cfg["quantization_config"]["ignore"]
+    old = [e for e in ignore if ".experts.0." not in e] + ["model.layers.3.mlp.experts"]
+    cfg["quantization_config"]["ignore"] = old
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AssertionError, match="model.layers.3.mlp.experts"):
+        assert_vllm_loads(out, "deepseek_v3")
+    rep = diagnose(out, ["vllm"])
+    assert "ignore-experts-module-name" in rep.codes()
+    f = next(f for f in rep.findings if f.code == "ignore-experts-module-name")
+    assert "fix-config" in f.fix and "0% draft acceptance" in f.why
+    # fix-config writes the experts.0.* names and the check passes
+    fixed = fix_config(out, tmp_path / "fixed").out
+    assert_vllm_loads(fixed, "deepseek_v3")
+    assert "ignore-experts-module-name" not in diagnose(fixed, ["vllm"]).codes()
+
+
+def _reindex(folder: Path) -> Path:
+    weight_map = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            weight_map.update({k: f.name for k in h.keys()})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+def test_mtp_same_keeps_deepseek_head_float(moe_checkpoints, tmp_path):
+    # --mtp same quantizes the MTP layer but not its shared_head.head: vLLM builds it as a
+    # ParallelLMHead (model.layers.3.head) that a "Linear" target never reaches.
+    for lm_head in ("keep", "same"):
+        out = tmp_path / f"q-{lm_head}"
+        quantize_checkpoint(moe_checkpoints("deepseek_v3", "per-expert"), out, Scheme("w8a16"),
+                            mtp="same", lm_head=lm_head)
+        assert not stored_quantized(out, {"model.layers.3.shared_head.head"})
+        assert stored_quantized(out, {"model.layers.3.mlp.experts.0.gate_proj"})
+        assert stored_quantized(out, {"lm_head"}) == (lm_head == "same")
+        assert_vllm_loads(out, "deepseek_v3")
+
+
+def test_quantized_head_not_targeted(moe_checkpoints, tmp_path):
+    # A DeepSeek MTP head stored quantized and targeted by its on-disk name: vLLM names the
+    # module model.layers.3.head, so it builds a float head over packed tensors.
+    out = tmp_path / "q"
+    quantize_checkpoint(moe_checkpoints("deepseek_v3", "per-expert"), out, Scheme("w8a16"),
+                        mtp="same", lm_head="same")
+
+    def fn(t):
+        t.pop("model.layers.3.shared_head.head.weight", None)
+        for k in [k for k in t if k.startswith("lm_head.")]:
+            t["model.layers.3.shared_head.head." + k[len("lm_head."):]] = t[k].clone()
+        return t
+
+    edited = _reindex(broken.edit_tensors(out, tmp_path / "e", fn))
+    cfg = json.loads((edited / "config.json").read_text())
+    group = cfg["quantization_config"]["config_groups"]["group_0"]
+    group["targets"] = ["Linear", "lm_head", "model.layers.3.shared_head.head"]
+    (edited / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AssertionError, match=r"model\.layers\.3\.head"):
+        assert_vllm_loads(edited, "deepseek_v3")
+    rep = diagnose(edited, ["vllm"])
+    f = next(f for f in rep.findings if f.code == "quantized-head-not-targeted")
+    assert "model.layers.3.head" in f.what and f.severity == "error"
+    # named by its runtime name, vLLM quantizes it
+    group["targets"].append("model.layers.3.head")
+    (edited / "config.json").write_text(json.dumps(cfg))
+    assert_vllm_loads(edited, "deepseek_v3")
+    assert "quantized-head-not-targeted" not in diagnose(edited, ["vllm"]).codes()
+    # vLLM before 0.20.0 quantizes no head at all
+    old = diagnose(edited, ["vllm"], vllm_version="0.19")
+    assert "lm_head" in next(f for f in old.findings
+                             if f.code == "quantized-head-not-targeted").what
+
+
+# -- one rule at a time, by version --------------------------------------------------------------
+
+
+def test_fused_regex_depends_on_version():
+    ignore = [r"re:mtp\.layers\.0\.self_attn\.qkv_proj$"]
+    args = ("mtp.layers.0.self_attn.q_proj", ignore, "qwen3_5")
+    assert ignore_status(*args, vllm_version="0.30").value == "ignored"
+    assert ignore_status(*args, vllm_version="0.29.0").value == "quantized"
+    assert ignore_status(*args).value == "ignored"
+    # vLLM's own matching agrees (0.33.0)
+    assert vllm_ignored("mtp.layers.0.self_attn.qkv_proj", ignore, QKV_GATE_UP)
+
+
+def test_experts_rules_by_version():
+    cfg = {"num_experts": 4}
+    probes = [f"mtp.layers.0.mlp.experts.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    disk = "mtp.layers.0.mlp.experts.2.up_proj"
+    assert ignore_status(disk, probes, "qwen3_5_moe", config=cfg).value == "ignored"
+    assert ignore_status(disk, probes, "qwen3_5_moe", config=cfg,
+                         vllm_version="0.13").value == "quantized"
+    # stacked: the module on disk is ...mlp.experts, decided the same way
+    assert ignore_status("mtp.layers.0.mlp.experts", probes, "qwen3_5_moe").value == "ignored"
+    assert ignore_status("mtp.layers.0.mlp.experts", ["mtp.layers.0.mlp.experts"],
+                         "qwen3_5_moe").value == "quantized"
+    # ignore_list_for writes the three names for either layout, all experts or none
+    assert set(probes) <= set(ignore_list_for(["mtp.layers.0.mlp.experts"], "qwen3_5_moe"))
+    per = [f"mtp.layers.0.mlp.experts.{e}.{p}" for e in range(4)
+           for p in ("gate_proj", "up_proj", "down_proj")]
+    assert set(probes) <= set(ignore_list_for(per, "qwen3_5_moe", config=cfg))
+    with pytest.raises(ValueError, match="every expert"):
+        ignore_list_for(per[3:], "qwen3_5_moe", config=cfg)
+
+
+def test_text_only_qwen35_prefix_map():
+    cfg = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+           "num_hidden_layers": 4}
+    disk = "model.language_model.layers.0.mlp.down_proj"
+    assert ignore_status(disk, [disk], "qwen3_5_text", config=cfg).value == "ignored"
+    # re: patterns are never renamed; before 0.28.0 the class maps nothing
+    assert ignore_status(disk, [r"re:model\.language_model\.layers\.0\..*"], "qwen3_5_text",
+                         config=cfg).value == "quantized"
+    assert ignore_status(disk, ["model.layers.0.mlp.down_proj"], "qwen3_5_text", config=cfg,
+                         vllm_version="0.27").value == "quantized"
+    assert ignore_status(disk, ["model.layers.0.mlp.down_proj"], "qwen3_5_text",
+                         config=cfg).value == "ignored"
+
+
+def test_rules_listed():
+    assert any("exact fused name" in r for r in VllmRules.of("0.29").applied())
+    assert any("re: included" in r for r in VllmRules.of("0.30.1").applied())
+    with pytest.raises(ValueError, match="0.30"):
+        VllmRules.of("latest")
+
+
+# -- doctor on hand-made cases -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_w4(tmp_path_factory, moe_checkpoints):
+    out = tmp_path_factory.mktemp("qwen-w4") / "q"
+    quantize_checkpoint(moe_checkpoints("qwen3_next", "per-expert"), out, Scheme("w4a16", 32),
+                        fit_groups=True)
+    return out
+
+
+def _with_ignore(src: Path, out: Path, fn) -> Path:
+    def edit(cfg):
+        cfg["quantization_config"]["ignore"] = fn(cfg["quantization_config"]["ignore"])
+    return broken.edit_config(src, out, edit)
+
+
+def test_doctor_fused_regex_and_versions(qwen_w4, tmp_path, capsys):
+    # The MTP attention's fused module ignored by a pattern on its fused name only.
+    def fn(ignore):
+        keep = [e for e in ignore if not re.search(r"mtp\.layers\.0\.self_attn\.(q|k|v|qkv)_proj$",
+                                                   e)]
+        return keep + [r"re:mtp\.layers\.0\.self_attn\.qkv_proj$"]
+
+    out = _with_ignore(qwen_w4, tmp_path / "rx", fn)
+    latest = diagnose(out, ["vllm"])
+    assert "ignore-regex-no-match" not in latest.codes()  # no false alarm on 0.30+
+    assert "mtp-unquantized-not-ignored" not in latest.codes()
+    rng = next(f for f in latest.findings if f.code == "vllm-version-range")
+    assert "0.30+" in rng.what and "0.28-0.29" in rng.what
+    assert latest.facts["vllm_versions_ok"] == {"0.14-0.19": False, "0.20-0.27": False,
+                                               "0.28-0.29": False, "0.30+": True}
+    old = diagnose(out, ["vllm"], vllm_version="0.29")
+    assert "ignore-fused-regex-old-vllm" in old.codes()
+    assert old.facts["vllm_rules"][0] == "vLLM 0.29.0"
+    # the CLI flag, and a malformed version as one error line
+    assert main(["doctor", str(out), "--engine", "vllm", "--vllm-version", "0.29",
+                 "--json"]) == 2
+    assert "ignore-fused-regex-old-vllm" in capsys.readouterr().out
+    assert main(["doctor", str(out), "--vllm-version", "newest"]) != 0
+
+
+def test_doctor_regex_on_renamed_prefix(tmp_path, moe_checkpoints):
+    out = tmp_path / "q"
+    quantize_checkpoint(moe_checkpoints("qwen3_5_moe", "per-expert"), out, Scheme("w8a16"))
+    # A trunk module kept float, listed by a pattern on its on-disk (VLM) prefix.
+    def fn(ignore):
+        return [*ignore, r"re:model\.language_model\.layers\.0\.linear_attn\.out_proj"]
+
+    def tensors(t):
+        name = "model.language_model.layers.0.linear_attn.out_proj"
+        w = torch.randn(64, 64)
+        for s in ("weight_packed", "weight_scale", "weight_shape", "weight"):
+            t.pop(f"{name}.{s}", None)
+        t[f"{name}.weight"] = w.to(torch.bfloat16)
+        return t
+
+    edited = broken.edit_tensors(_with_ignore(out, tmp_path / "e1", fn), tmp_path / "e2",
+                                 tensors)
+    rep = diagnose(_reindex(edited), ["vllm"])
+    assert "ignore-regex-renamed-prefix" in rep.codes()
+    assert "unquantized-not-ignored" in rep.codes()
+
+
+def test_doctor_no_vllm_mtp_class(tmp_path, moe_checkpoints):
+    out = broken.edit_config(moe_checkpoints("deepseek_v3", "per-expert"), tmp_path / "v2",
+                             lambda c: c.update(model_type="kimi_k2"))
+    rep = diagnose(out, ["vllm"])
+    assert "engine-no-mtp-class" in rep.codes()
+    assert "engine-no-mtp-class" not in diagnose(moe_checkpoints("deepseek_v3", "per-expert"),
+                                                 ["vllm"]).codes()
