@@ -60,10 +60,12 @@ from ..models.layers import MLP, PreNormDecoderLayer, RMSNorm, Rotary
 from ..quant.kernels import aoti_c_shims, argmax_rows, int8_mm_available, kernel_choice
 from ..quant.kernels import source_digest as kernel_source_digest
 from ..quant.linear import QuantLinear, RowExactLinear, linear_rows, stack_outputs
+from .budget import RoundCosts, choose_drafts, top_drafts
 from .generate import Result, emit
 
 BACKENDS = ("auto", "aoti", "inductor", "eager")
 SPAN_STEP = 64  # attention reads the cache up to the next multiple of this
+EXPLORE = 16  # a batched round in this many measures all drafts or none (_drafts_to_verify)
 QUANT_ROWS = 2  # trunk rows of every compiled step on quantized trunks: drafts k <= 1
 DEFAULT_MAX_LEN = 2048  # cache positions of a FastDecoder unless the model's context is shorter
 
@@ -196,6 +198,29 @@ def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
         out = torch.cat(outs + outs[-1:] * (t - rows), dim=2)
     out = out.transpose(1, 2).reshape(b, t, nh * hd)
     return _out_proj(attn, out, gate, fused) if project else out
+
+
+def _seqs_kernel_fits(x: torch.Tensor, buf: torch.Tensor) -> bool:
+    # Whether _attend_seqs can take a batched pass: mtpkit's row kernel, caches one tensor
+    # a sequence [1, Hkv, L, hd].
+    return row_kernel_fits(x, buf) and buf.dim() == 4 and buf.shape[0] == 1
+
+
+def _attend_seqs(attn: Attention, qkv, cos, sin, kbufs, vbufs, pos, sizes) -> torch.Tensor:
+    """Attention heads [1, N, H * hd] of several sequences' rows laid end to end (qkv
+    [1, N, Nq + 2 Nkv], sizes rows a sequence), each row's key and value written to its own
+    sequence's caches at pos [N]: one kernel call where _attention made a call a sequence,
+    with the same bits (the rotary is elementwise; csrc/attend_rows.cpp: attend_seqs)."""
+    b, t = qkv.shape[:2]
+    nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q, k, v = qkv.split([attn.q_proj.out_features, nkv * hd, nkv * hd], -1)
+    q, k, v = q.reshape(b, t, nh, hd), k.reshape(b, t, nkv, hd), v.reshape(b, t, nkv, hd)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = Rotary.apply(q.transpose(1, 2), cos, sin), Rotary.apply(k.transpose(1, 2), cos, sin)
+    out = torch.ops.mtpkit.attend_seqs(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0],
+                                       kbufs, vbufs, pos, sizes)
+    return out.view(b, t, nh * hd)
 
 
 def _out_proj(attn, out: torch.Tensor, gate: torch.Tensor | None, fused=None) -> torch.Tensor:
@@ -591,17 +616,27 @@ class Programs(nn.Module):
         m = self.model
         sizes = [ids.shape[1] for ids, *_ in seqs]
         x = m.model.embed_tokens(torch.cat([ids for ids, *_ in seqs], 1))
-        rope = [self._cos_sin(pos) for _, pos, *_ in seqs]
-        masks = [_mask(pos, _span(span, kc[0]), self.groups) for _, pos, kc, _, span in seqs]
+        one = _seqs_kernel_fits(x, seqs[0][2][0])
+        if one:
+            pos = torch.cat([pos for _, pos, *_ in seqs])
+            cos, sin = self._cos_sin(pos)
+        else:
+            rope = [self._cos_sin(pos) for _, pos, *_ in seqs]
+            masks = [_mask(pos, _span(span, kc[0]), self.groups) for _, pos, kc, _, span in seqs]
         for i, layer in enumerate(m.model.layers):
             f = None if self.fused is None else self.fused[i]
             attn = layer.self_attn
             qkv = _qkv_rows(attn, layer.input_layernorm(x), f)
-            heads = [_attention(attn, None, cos, sin, kc[i], vc[i], pos, mask, part.shape[1],
-                                qkv=part, project=False)
-                     for (_, pos, kc, vc, _), (cos, sin), mask, part
-                     in zip(seqs, rope, masks, qkv.split(sizes, 1), strict=True)]
-            x = x + _lin(f, "o_proj", attn.o_proj)(torch.cat(heads, 1))
+            if one:
+                heads = _attend_seqs(attn, qkv, cos, sin, [kc[i] for _, _, kc, _, _ in seqs],
+                                     [vc[i] for _, _, _, vc, _ in seqs], pos, sizes)
+            else:
+                heads = torch.cat([
+                    _attention(attn, None, cos, sin, kc[i], vc[i], pos, mask, part.shape[1],
+                               qkv=part, project=False)
+                    for (_, pos, kc, vc, _), (cos, sin), mask, part
+                    in zip(seqs, rope, masks, qkv.split(sizes, 1), strict=True)], 1)
+            x = x + _lin(f, "o_proj", attn.o_proj)(heads)
             x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x), f)
         post = m.model.norm(x)
         return list(zip(post.split(sizes, 1), x.split(sizes, 1), strict=True))
@@ -664,13 +699,20 @@ class Programs(nn.Module):
         layer = mtp.layers[0]
         attn = layer.self_attn
         qkv = _qkv_rows(attn, layer.input_layernorm(x))
-        outs = []
-        for (_, _, pos, hk, hv, span), part in zip(seqs, qkv.split(sizes, 1), strict=True):
+        if _seqs_kernel_fits(x, seqs[0][3]):
+            pos = torch.cat([pos for _, _, pos, *_ in seqs])
             cos, sin = self._cos_sin(pos)
-            outs.append(_attention(attn, None, cos, sin, hk, hv, pos,
-                                   _mask(pos, _span(span, hk), self.groups), part.shape[1],
-                                   qkv=part, project=False))
-        x = x + attn.o_proj(torch.cat(outs, 1))
+            heads = _attend_seqs(attn, qkv, cos, sin, [hk for *_, hk, _, _ in seqs],
+                                 [hv for *_, hv, _ in seqs], pos, sizes)
+        else:
+            outs = []
+            for (_, _, pos, hk, hv, span), part in zip(seqs, qkv.split(sizes, 1), strict=True):
+                cos, sin = self._cos_sin(pos)
+                outs.append(_attention(attn, None, cos, sin, hk, hv, pos,
+                                       _mask(pos, _span(span, hk), self.groups), part.shape[1],
+                                       qkv=part, project=False))
+            heads = torch.cat(outs, 1)
+        x = x + attn.o_proj(heads)
         x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
         post = mtp.norm(x)
         return list(zip(post.split(sizes, 1), x.split(sizes, 1), strict=True))
@@ -843,6 +885,7 @@ class FastDecoder:
         self._spans: dict[int, torch.Tensor] = {}
         self._times: dict[tuple, float] = {}  # run_many's timings (shared by forks)
         self._counts: dict[tuple, int] = {}
+        self._round_costs: dict[tuple, RoundCosts] = {}  # (k, sequences) -> round costs
 
     @property
     def has_mtp(self) -> bool:
@@ -1198,12 +1241,40 @@ class FastDecoder:
             t0 = time.perf_counter()
             if kind == "decode":
                 got = pr.decode_many([steps[i].args for i in idx])
+                self._timed((kind, k, n), time.perf_counter() - t0)
             else:
-                got = pr.round_many([steps[i].args for i in idx], k)
-            self._timed((kind, k, n), time.perf_counter() - t0)
+                group = [steps[i] for i in idx]
+                take = self._drafts_to_verify(group, k)
+                # Fewer rows verified: the pending token and the drafts chosen.
+                args = [(st.args[0][:, : c + 1], *st.args[1:])
+                        for st, c in zip(group, take, strict=True)]
+                got = pr.round_many(args, k)
+                seconds = time.perf_counter() - t0
+                self._timed((kind, k, n), seconds)
+                self._round_costs.setdefault((k, n), RoundCosts()).record(n + sum(take),
+                                                                          seconds)
             for i, g in zip(idx, got, strict=True):
                 out[i] = g
         return out
+
+    def _drafts_to_verify(self, group: list[Step], k: int) -> list[int]:
+        # How many of its drafts each sequence of a batched round verifies (engine/budget.py):
+        # all of them, then none, until both costs are measured at this batch size; then
+        # what the costs and the head's probabilities say pays, except every EXPLORE-th
+        # round, which measures one row count again in turn (the machine's speed moves, and
+        # counts never chosen would stay unknown).
+        full = [st.args[0].shape[1] - 1 for st in group]
+        n, most = len(group), sum(full)
+        costs = self._round_costs.setdefault((k, n), RoundCosts())
+        if n + most not in costs.seconds:
+            return full
+        if n not in costs.seconds:
+            return [0] * n
+        probs = [[] if st.probs is None else st.probs[:f].tolist()
+                 for st, f in zip(group, full, strict=True)]
+        if costs.turns % EXPLORE == 0:
+            return top_drafts(probs, costs.turns // EXPLORE % (most + 1))
+        return choose_drafts(probs, costs.estimate)
 
     def _timed(self, key: tuple, seconds: float) -> None:
         # A moving average of what a call took (key: kind, k, sequences; 1 = one program).
@@ -1286,11 +1357,13 @@ class FastDecoder:
                 tokens = torch.cat([pending.view(1), drafts[:kk]])[None]
                 args = (tokens, torch.tensor([at], device=dev), *self.kv, self.hk, self.hv,
                         self.span(at + max(SPAN_STEP, 2 * k + 2)))
-            out, probs = yield Step("round", t, k, args)
+            out, probs = yield Step("round", t, k, args, probs[:kk])
             vals = out.tolist()  # the one host read per round
+            # A batched round may have verified fewer of the drafts (run_many).
+            t = len(vals) - 1 - k
             n = vals[t]
             # Counted as the eager engine does: no more drafts than tokens still allowed.
-            drafted = min(kk, max_tokens - m.generated_tokens - 1)
+            drafted = min(t - 1, max_tokens - m.generated_tokens - 1)
             m.record(drafted, min(n, drafted))
             drafts = out[t + 1:]
             pending = out[n : n + 1]
@@ -1309,6 +1382,7 @@ class Step:
     t: int  # rows verified (round)
     k: int  # draft depth (round)
     args: tuple  # the program's arguments: tokens, position, the generation's caches, span
+    probs: torch.Tensor | None = None  # round: the head's probabilities of its drafts [t - 1]
 
 
 class _Loaded:

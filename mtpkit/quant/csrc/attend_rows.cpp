@@ -34,12 +34,9 @@
 #include "attend.h"
 #endif
 
-static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& pos, int64_t rows) {
 #if defined(__AVX2__) && defined(__FMA__)
-  mtpkit_attn::Attend a(q, k, v, pos, rows);
-  at::Tensor out = at::empty({a.T, a.H, a.D}, q.options());
-  a.op = out.data_ptr<float>();
+// One planned call's passes, its output pointer set.
+static void run(mtpkit_attn::Attend& a) {
   thread_local std::vector<float> buf;
   buf.resize(a.scratch());
   a.use(buf.data());
@@ -60,16 +57,110 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at
                      [&](int64_t i0, int64_t i1) { a.pass3(i0, i1); });
   }
   a.pad_rows();
+}
+#endif
+
+static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& pos, int64_t rows) {
+#if defined(__AVX2__) && defined(__FMA__)
+  mtpkit_attn::Attend a(q, k, v, pos, rows);
+  at::Tensor out = at::empty({a.T, a.H, a.D}, q.options());
+  a.op = out.data_ptr<float>();
+  run(a);
   return out;
 #else
   TORCH_CHECK(false, "attend_rows was built without AVX2/FMA");
 #endif
 }
 
+// mtpkit::attend_seqs(q, k, v, kbufs, vbufs, pos, sizes) -> out: attend_rows for the rows of
+// several sequences laid end to end (a server's batched step), each with caches of its own.
+//   q float32 [N, H, D], k/v float32 [N, Hkv, D]: the rotated queries, keys and values of
+//   N rows, sizes[b] of them sequence b's; kbufs[b], vbufs[b] [1, Hkv, L, D]: its caches;
+//   pos int64 [N]: the rows' positions. Row r's key and value are written at pos[r] in its
+//   sequence's caches, then its sequence's rows attend as attend_rows attends them, so each
+//   row gets the bits its sequence's own step gives. One call a layer where a loop over the
+//   sequences made some twenty PyTorch calls a sequence (the copies, the attention, views).
+static at::Tensor attend_seqs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              at::TensorList kbufs, at::TensorList vbufs, const at::Tensor& pos_,
+                              at::IntArrayRef sizes) {
+#if defined(__AVX2__) && defined(__FMA__)
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
+                  k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "attend_seqs: q [N,H,D], k/v [N,Hkv,D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && pos_.scalar_type() == at::kLong,
+              "attend_seqs: float32 q/k/v, int64 pos");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "attend_seqs: k/v need contiguous rows");
+  const int64_t nseq = static_cast<int64_t>(sizes.size());
+  TORCH_CHECK(static_cast<int64_t>(kbufs.size()) == nseq &&
+                  static_cast<int64_t>(vbufs.size()) == nseq,
+              "attend_seqs: one cache pair a sequence");
+  const at::Tensor pos = pos_.contiguous();
+  const int64_t N = q.size(0), Hkv = k.size(1), D = k.size(2);
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == N, "attend_seqs: pos [N]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  at::Tensor out = at::empty({N, q.size(1), D}, q.options());
+  std::vector<mtpkit_attn::Attend> plans;
+  plans.reserve(nseq);
+  int64_t r0 = 0;
+  for (int64_t b = 0; b < nseq; b++) {
+    const int64_t n = sizes[b];
+    TORCH_CHECK(n >= 1 && r0 + n <= N, "attend_seqs: sizes must add up to N");
+    const at::Tensor& kb = kbufs[b];
+    const at::Tensor& vb = vbufs[b];
+    TORCH_CHECK(kb.dim() == 4 && kb.size(0) == 1 && kb.size(1) == Hkv && kb.size(3) == D &&
+                    kb.sizes() == vb.sizes() && kb.scalar_type() == at::kFloat &&
+                    vb.scalar_type() == at::kFloat && kb.stride(3) == 1 && vb.stride(3) == 1,
+                "attend_seqs: caches [1, Hkv, L, D] float32");
+    float* kp = kb.data_ptr<float>();
+    float* vp = vb.data_ptr<float>();
+    for (int64_t r = r0; r < r0 + n; r++) {
+      TORCH_CHECK(pp[r] >= 0 && pp[r] < kb.size(2), "attend_seqs: position outside the cache");
+      for (int64_t h = 0; h < Hkv; h++) {
+        std::copy_n(k.data_ptr<float>() + r * k.stride(0) + h * k.stride(1), D,
+                    kp + h * kb.stride(1) + pp[r] * kb.stride(2));
+        std::copy_n(v.data_ptr<float>() + r * v.stride(0) + h * v.stride(1), D,
+                    vp + h * vb.stride(1) + pp[r] * vb.stride(2));
+      }
+    }
+    plans.emplace_back(q.narrow(0, r0, n), kb[0], vb[0], pos.narrow(0, r0, n), n,
+                       "attend_seqs");
+    plans.back().op = out.data_ptr<float>() + r0 * q.size(1) * D;
+    r0 += n;
+  }
+  TORCH_CHECK(r0 == N, "attend_seqs: sizes must add up to N");
+  if (nseq == 1) {
+    run(plans[0]);
+    return out;
+  }
+  // Threads take whole sequences (one fork a call, where a sequence's own split forked up
+  // to three times); the split does not change a row's arithmetic (attend.h).
+  at::parallel_for(0, nseq, 1, [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<float> buf;
+    for (int64_t b = b0; b < b1; b++) {
+      mtpkit_attn::Attend& a = plans[b];
+      buf.resize(a.scratch());
+      a.use(buf.data());
+      a.pass0(0, a.items0());
+      a.pad_rows();
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "attend_seqs was built without AVX2/FMA");
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor pos, int rows) -> Tensor");
+  m.def("attend_seqs(Tensor q, Tensor k, Tensor v, Tensor(a!)[] kbufs, Tensor(b!)[] vbufs, "
+        "Tensor pos, int[] sizes) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("attend_rows", &attend_rows); }
+TORCH_LIBRARY_IMPL(mtpkit, CPU, m) {
+  m.impl("attend_rows", &attend_rows);
+  m.impl("attend_seqs", &attend_seqs);
+}
 
 MTPKIT_AOTI_SHIM(attend_rows,
                  (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle pos, int64_t rows, AtenTensorHandle* ret0),

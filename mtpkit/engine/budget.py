@@ -1,0 +1,84 @@
+"""How many drafts each sequence of a batched round verifies.
+
+A drafted token costs a trunk row whether it is accepted or not. One sequence alone reads
+the weights for one row or for k+1 at about the same cost, so every draft pays; several
+sequences together make the pass compute-bound, where a row can cost nearly what a token
+brings, and only drafts likely to be accepted pay. The server asks this module which drafts
+to verify in each batched round, from the head's own probabilities and the round costs it
+has measured on this machine. Verifying fewer drafts never changes the output (greedy
+verification keeps whatever prefix the trunk agrees with); it changes only the speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def _ranked(probs: list[list[float]]) -> list[tuple[float, int, int]]:
+    # Every draft as (E, j, i): the chance that draft j of sequence i and the drafts before
+    # it are all accepted, E_ij = prod_{l<=j} p_il; highest first. E falls along a chain, so
+    # any leading part of this list holds a prefix of each sequence's drafts.
+    rows = []
+    for i, ps in enumerate(probs):
+        e = 1.0
+        for j, p in enumerate(ps):
+            e *= min(max(p, 0.0), 1.0)
+            rows.append((e, j, i))
+    rows.sort(key=lambda r: (-r[0], r[1]))
+    return rows
+
+
+def top_drafts(probs: list[list[float]], m: int) -> list[int]:
+    """Drafts to verify per sequence when m rows of drafts are verified: the m likeliest."""
+    take = [0] * len(probs)
+    for _, _, i in _ranked(probs)[:m]:
+        take[i] += 1
+    return take
+
+
+def choose_drafts(probs: list[list[float]],
+                  cost: Callable[[int], float | None]) -> list[int]:
+    """Drafts to verify per sequence so that one batched round yields the most tokens per
+    second, given each draft's chance of acceptance and cost(rows) of a round."""
+    # A round over n sequences verifying n + m rows (the pending tokens and m drafts) yields
+    # n tokens plus the expected accepted drafts, the sum of their E (_ranked). For any m
+    # the best drafts are the m likeliest, so only m is to choose: the one with the most
+    # (n + sum of the top m E) / cost(n + m). The cost need not be a line (a kernel that
+    # takes rows four at a time costs in steps); row counts of unknown cost are skipped.
+    n = len(probs)
+    ranked = _ranked(probs)
+    best_m, best_rate = 0, -1.0
+    tokens = float(n)
+    for m in range(len(ranked) + 1):
+        if m:
+            tokens += ranked[m - 1][0]
+        seconds = cost(n + m)
+        if seconds is not None and seconds > 0 and tokens / seconds > best_rate:
+            best_m, best_rate = m, tokens / seconds
+    return top_drafts(probs, best_m)
+
+
+class RoundCosts:
+    """Measured seconds of batched rounds of one batch size, by rows verified."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}  # rows -> moving average
+        self.turns = 0
+
+    def record(self, rows: int, seconds: float) -> None:
+        """Add one round's time."""
+        old = self.seconds.get(rows)
+        # The machine's speed moves (shared CPUs), so recent rounds weigh most.
+        self.seconds[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        self.turns += 1
+
+    def estimate(self, rows: int) -> float | None:
+        """Seconds of a round of this many rows: measured, else that of the next larger
+        measured count when a smaller one is measured too (more rows never cost less),
+        else None."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        above = [r for r in self.seconds if r > rows]
+        if above and any(r < rows for r in self.seconds):
+            return self.seconds[min(above)]
+        return None

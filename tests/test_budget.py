@@ -1,0 +1,72 @@
+"""The batched rounds' draft budget (engine/budget.py) against an exhaustive search."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from mtpkit.engine.budget import RoundCosts, choose_drafts, top_drafts
+
+
+def _rate(probs, take, cost):
+    # Expected tokens per second of a round verifying take[i] drafts of sequence i.
+    tokens, rows = float(len(probs)), len(probs)
+    for ps, c in zip(probs, take, strict=True):
+        e = 1.0
+        for p in ps[:c]:
+            e *= p
+            tokens += e
+        rows += c
+    return tokens / cost(rows)
+
+
+def _costs(rng):
+    # A line, or steps of four rows (a kernel that streams the weights once a 4 rows).
+    a, b = rng.uniform(0.0, 20.0), rng.uniform(0.1, 5.0)
+    if rng.random() < 0.5:
+        return lambda rows: a + b * rows
+    return lambda rows: a + 4 * b * math.ceil(rows / 4)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_choose_drafts_is_the_best_choice_of_prefixes(seed):
+    """Over every way to verify a prefix of each sequence's drafts, none yields more
+    expected tokens per second than the choice made (the slow reference: all of them)."""
+    rng = random.Random(seed)
+    n, k = rng.randint(1, 4), rng.randint(1, 3)
+    probs = [[rng.choice([rng.random(), rng.uniform(0.9, 1.0), 0.0]) for _ in range(k)]
+             for _ in range(n)]
+    cost = _costs(rng)
+    take = choose_drafts(probs, cost)
+    assert all(0 <= c <= k for c in take)
+    best = max(_rate(probs, list(t), cost)
+               for t in itertools.product(range(k + 1), repeat=n))
+    assert _rate(probs, take, cost) == pytest.approx(best, rel=1e-12)
+
+
+def test_choose_drafts_follows_the_cost_of_a_row():
+    """Cheap rows (a weight-streaming pass): likely drafts pay; rows that cost what a token
+    brings (a compute-bound pass): only near-certain ones; unknown costs are never chosen."""
+    probs = [[0.95, 0.9], [0.6, 0.5], [0.2, 0.1]]
+    assert choose_drafts(probs, lambda r: 10.0 + 0.05 * r) == [2, 2, 1]
+    assert choose_drafts(probs, lambda r: 0.5 + r) == [1, 0, 0]
+    assert choose_drafts(probs, lambda r: float(r)) == [0, 0, 0]
+    assert choose_drafts(probs, lambda r: None if r < 9 else 1.0) == [2, 2, 2]
+    assert choose_drafts([[1.5, -1.0]], lambda r: 1.0 + 0.1 * r) == [1]  # clipped
+    assert top_drafts(probs, 3) == [2, 1, 0]
+
+
+def test_round_costs_estimate_from_measured_rows():
+    """A measured count gives its average; an unmeasured one between two measured gives
+    the next larger one's (more rows never cost less); outside them, nothing."""
+    costs = RoundCosts()
+    costs.record(4, 0.030)
+    costs.record(8, 0.050)
+    costs.record(8, 0.060)
+    assert costs.estimate(4) == 0.030 and costs.estimate(8) == pytest.approx(0.053)
+    assert costs.estimate(6) == pytest.approx(0.053)
+    assert costs.estimate(3) is None and costs.estimate(9) is None
+    assert costs.turns == 3
