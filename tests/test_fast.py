@@ -624,6 +624,40 @@ def test_forks_stepped_together_keep_each_sequences_tokens(name, engine_factory,
         assert want == [_eager(engine, p, 3)[0] for p in prompts]
 
 
+def test_many_forks_past_the_kernels_row_limit_keep_each_sequences_tokens(quantized_engines,
+                                                                         monkeypatch):
+    """Six sequences drafting 3 tokens verify 24 rows in one batched round, more than a
+    prompt's threshold for torch's GEMM (RowExactLinear.max_kernel_rows): every row must
+    still take the row-exact kernel (torch's GEMM is made to fail here), or a sequence's
+    tokens would depend on its company."""
+    import torch.nn.functional as F
+
+    import mtpkit.quant.linear as linear_mod
+
+    engine = quantized_engines["fp32"]
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    prompts = [PROMPTS[i % len(PROMPTS)][: 3 + i] + [i + 1] for i in range(6)]
+    want = [_fast(dec, p, 3)[0] for p in prompts]
+    forks = [dec.fork() for _ in prompts]
+    dec._batch_pays = lambda *a: True
+    dec._drafts_to_verify = lambda group, k: [st.args[0].shape[1] - 1 for st in group]
+    gens = {i: f.steps(p, 24, 3, result=Result(), eos_ids=set())
+            for i, (f, p) in enumerate(zip(forks, prompts, strict=True))}
+
+    class NoGemm:
+        # torch.nn.functional as RowExactLinear sees it, its GEMM refused.
+        def __getattr__(self, name):
+            return getattr(F, name)
+
+        @staticmethod
+        def linear(*args, **kwargs):
+            raise AssertionError("a batched step's rows went through torch's GEMM")
+
+    monkeypatch.setattr(linear_mod, "F", NoGemm())
+    got, _ = _lockstep(dec, gens)
+    assert [got[i] for i in range(len(prompts))] == want
+
+
 def test_head_rows_attend_each_sequences_own_cache(engine_factory):
     """The batched head pass (Programs.head_rows) gives each sequence what the head alone
     gives it over its own cache (up to the row kernel's rounding against SDPA's)."""
@@ -660,11 +694,13 @@ def test_trunk_rows_give_each_row_its_lone_bits(name, engine_factory, quantized_
         f.prefill(p, 0)
         g.prefill(p, 0)
     seqs, lone = [], []
+    # 6, 7 and 8 rows: 21 in all, past the row count where a prompt takes torch's GEMM
+    # (RowExactLinear.max_kernel_rows), which a batched pass must never do.
     for i, (f, g, p) in enumerate(zip(batched_forks, lone_forks, prompts, strict=True)):
-        ids = torch.tensor([[(11 * i + j) % 90 + 1 for j in range(i + 1)]])
-        pos = len(p) + torch.arange(i + 1)
-        seqs.append((ids, pos, f.kc, f.vc, f.span(len(p) + 4)))
-        lone.append((ids, pos, g.kc, g.vc, g.span(len(p) + 4)))
+        ids = torch.tensor([[(11 * i + j) % 90 + 1 for j in range(i + 6)]])
+        pos = len(p) + torch.arange(i + 6)
+        seqs.append((ids, pos, f.kc, f.vc, f.span(len(p) + 9)))
+        lone.append((ids, pos, g.kc, g.vc, g.span(len(p) + 9)))
     with torch.inference_mode():
         got = pr.trunk_rows(seqs)
         for (post, pre), (ids, pos, kc, vc, span), f in zip(got, lone, batched_forks,

@@ -59,7 +59,13 @@ from ..models.attention import Attention, row_kernel_fits
 from ..models.layers import MLP, PreNormDecoderLayer, RMSNorm, Rotary
 from ..quant.kernels import aoti_c_shims, argmax_rows, int8_mm_available, kernel_choice
 from ..quant.kernels import source_digest as kernel_source_digest
-from ..quant.linear import QuantLinear, RowExactLinear, linear_rows, stack_outputs
+from ..quant.linear import (
+    QuantLinear,
+    RowExactLinear,
+    every_row_exact,
+    linear_rows,
+    stack_outputs,
+)
 from .budget import RoundCosts, choose_drafts, top_drafts
 from .generate import Result, emit
 
@@ -609,6 +615,12 @@ class Programs(nn.Module):
         return self.row_exact and not any(b.self_attn.output_gate for b in layers)
 
     def trunk_rows(self, seqs):
+        """The trunk over several sequences' rows in one pass (_trunk_rows), every GEMM
+        row-exact however many rows there are."""
+        with every_row_exact():
+            return self._trunk_rows(seqs)
+
+    def _trunk_rows(self, seqs):
         """The trunk over several sequences' rows in one pass: seqs = [(ids [1, T], pos [T],
         kc, vc, span)], each attending over its own caches, every GEMM and norm once over
         all rows -> [(post, pre)] a sequence. Row-exact kernels give each row the bits
@@ -689,6 +701,12 @@ class Programs(nn.Module):
                 for b, (target, n) in enumerate(zip(targets, ns, strict=True))]
 
     def head_rows(self, seqs):
+        """The MTP head over several sequences' rows in one pass (_head_rows), every GEMM
+        row-exact however many rows there are."""
+        with every_row_exact():
+            return self._head_rows(seqs)
+
+    def _head_rows(self, seqs):
         """The MTP head over several sequences' rows in one pass: seqs = [(ids [1, T],
         states [1, T, D], pos [T], hk, hv, span)], each attending over its own head cache
         -> [(post, pre)] a sequence."""
@@ -1240,7 +1258,8 @@ class FastDecoder:
             threads.tick()
             t0 = time.perf_counter()
             if kind == "decode":
-                got = pr.decode_many([steps[i].args for i in idx])
+                with every_row_exact():  # the lm_head's rows too
+                    got = pr.decode_many([steps[i].args for i in idx])
                 self._timed((kind, k, n), time.perf_counter() - t0)
             else:
                 group = [steps[i] for i in idx]
@@ -1248,7 +1267,8 @@ class FastDecoder:
                 # Fewer rows verified: the pending token and the drafts chosen.
                 args = [(st.args[0][:, : c + 1], *st.args[1:])
                         for st, c in zip(group, take, strict=True)]
-                got = pr.round_many(args, k)
+                with every_row_exact():
+                    got = pr.round_many(args, k)
                 seconds = time.perf_counter() - t0
                 self._timed((kind, k, n), seconds)
                 self._round_costs.setdefault((k, n), RoundCosts()).record(n + sum(take),

@@ -23,6 +23,9 @@ Which kernel runs is chosen per call from the device and the number of rows (see
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -390,6 +393,22 @@ def linear_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
     return RowExactLinear(sub) if isinstance(linear, RowExactLinear) else sub
 
 
+_every_row = threading.local()
+
+
+@contextlib.contextmanager
+def every_row_exact():
+    """Within it (in this thread), RowExactLinear takes its kernel whatever the row count:
+    the rows of a server's batched step, however many, must each get their lone step's
+    bits, where a prompt's many rows may take torch's faster GEMM."""
+    before = getattr(_every_row, "on", False)
+    _every_row.on = True
+    try:
+        yield
+    finally:
+        _every_row.on = before
+
+
 class RowExactLinear(nn.Module):
     """An fp32 Linear through mtpkit's ``f32_mm`` kernel: each output row the same bits
     whatever rows are computed with it, which the compiled fp32 path needs for exact
@@ -414,7 +433,7 @@ class RowExactLinear(nn.Module):
         """x [..., K] -> [..., N]."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] > self.max_kernel_rows:
+        if x2.shape[0] > self.max_kernel_rows and not getattr(_every_row, "on", False):
             return F.linear(x, self.weight.to(x.dtype), self.bias)
         out = torch.ops.mtpkit.f32_mm(x2.contiguous(), self.weight)
         if self.bias is not None:
