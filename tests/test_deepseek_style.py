@@ -3,16 +3,18 @@ implementation of the documented formula, and the grouped router against transfo
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import test_families
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from tiny import FAMILIES, VOCAB, Family, _randomize_router_bias
+from tiny import FAMILIES, VOCAB, Family, _kimi_k25, _randomize_router_bias
 
 from mtpkit.engine.loader import load_model
 from mtpkit.models.moe import GroupedTopKRouter
@@ -26,7 +28,13 @@ def _rms(x, w, eps):
 
 def _reference_block(ref, tensors: dict, prefix: str, n: int):
     """transformers' own decoder layer class (not ours) holding the MTP layer's block weights."""
-    layer = type(ref.model.layers[-1])(ref.config, layer_idx=n).eval()
+    config = ref.config
+    kinds = getattr(config, "mlp_layer_types", None)
+    if kinds is not None and len(kinds) <= n:
+        # GLM-4.7-Flash lists trunk layers only; its MTP layer has experts, as released.
+        config = copy.deepcopy(config)
+        config.mlp_layer_types = list(kinds) + ["sparse"] * (n + 1 - len(kinds))
+    layer = type(ref.model.layers[-1])(config, layer_idx=n).eval()
     state = {}
     experts: dict[int, dict[str, torch.Tensor]] = {}
     for k, v in tensors.items():
@@ -57,13 +65,26 @@ def test_mtp_layer_matches_plain_formula(name, checkpoint_factory):
 
     path = checkpoint_factory(name)
     cfg = json.loads((path / "config.json").read_text())
-    n, eps = cfg["num_hidden_layers"], cfg["rms_norm_eps"]
+    text = cfg.get("text_config", cfg)
+    n, eps = text["num_hidden_layers"], text["rms_norm_eps"]
     prefix = f"model.layers.{n}."
     tensors = {**load_file(path / "model.safetensors"), **load_file(path / "model_mtp.safetensors")}
     assert not any(k.startswith("mtp.") for k in tensors)  # the real layout is what loads
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = AutoModelForCausalLM.from_pretrained(path).eval()
+        if "text_config" in cfg:  # a wrapper (Kimi-K2.5): its text model is the reference
+            from transformers import AutoModelForImageTextToText
+
+            from mtpkit.models.kimi_k25 import text_model_name
+
+            assert any(k.startswith(f"language_model.{prefix}") for k in tensors)
+            tensors = {text_model_name(k): v for k, v in tensors.items()}
+            tensors.pop(None, None)
+            wrapper = AutoModelForImageTextToText.from_pretrained(path).eval()
+            ref = SimpleNamespace(model=wrapper.model.language_model,
+                                  config=wrapper.config.text_config)
+        else:
+            ref = AutoModelForCausalLM.from_pretrained(path).eval()
         model = load_model(path, tokenizer=False).model
     block = _reference_block(ref, tensors, prefix, n)
 
@@ -250,11 +271,43 @@ def _deepseek_v3_release_like():
     return model
 
 
-@pytest.mark.parametrize("build", [_glm_air_like, _deepseek_v3_release_like],
-                         ids=["glm_air_like", "deepseek_v3_release_like"])
-def test_more_variants_match_transformers(build, tmp_path):
+def _glm4_moe_lite_plain():
+    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+
+    # No q LoRA, half-split rope, YaRN; mlp_layer_types left to its default (dense first).
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 32}
+    cfg = Glm4MoeLiteConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=16,
+        v_head_dim=8, moe_intermediate_size=16, num_experts_per_tok=2, n_shared_experts=1,
+        n_routed_experts=4, n_group=1, topk_group=1, rope_interleave=False,
+        rope_parameters=rope,
+    )
+    model = Glm4MoeLiteForCausalLM(cfg)
+    _randomize_router_bias(model)
+    return model
+
+
+def _config_says_first_k_dense_only(out):
+    """The release's config.json: first_k_dense_replace, no mlp_layer_types."""
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["first_k_dense_replace"] = cfg.pop("mlp_layer_types").index("sparse")
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("fam", [
+    Family("glm_air_like", _glm_air_like),
+    Family("deepseek_v3_release_like", _deepseek_v3_release_like),
+    Family("glm4_moe_lite_plain", _glm4_moe_lite_plain, rewrite=_config_says_first_k_dense_only),
+    # As transformers 5.23 saves it: language_model.model.blocks.*, text model deepseek_v3.
+    Family("kimi_k25_transformers_saved", _kimi_k25),
+], ids=lambda f: f.name)
+def test_more_variants_match_transformers(fam, tmp_path):
     """Config variants beyond the table rows: logits within 1e-4, prefill and cached."""
-    test_families.test_logits_match_transformers(Family(build.__name__, build), tmp_path)
+    test_families.test_logits_match_transformers(fam, tmp_path)
 
 
 def test_second_mtp_layer_reported_unused(checkpoint_factory, tmp_path):

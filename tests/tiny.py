@@ -131,6 +131,60 @@ def _deepseek_v3(q_lora: bool):
     return model
 
 
+def _glm4_moe_lite():
+    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+
+    # As the release: q LoRA, interleaved rope, layer 0 dense; a dense layer in the middle
+    # too, so that mlp_layer_types (not first_k_dense_replace) is what decides.
+    cfg = Glm4MoeLiteConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1,
+        n_routed_experts=8, routed_scaling_factor=1.8, n_group=4, topk_group=2,
+        norm_topk_prob=True, tie_word_embeddings=False, rope_interleave=True,
+        mlp_layer_types=["dense", "sparse", "dense"],
+    )
+    model = Glm4MoeLiteForCausalLM(cfg)
+    _randomize_router_bias(model)
+    return model
+
+
+def _kimi_k25():
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    text = dict(
+        model_type="kimi_k2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=128, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2,
+        n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.827, n_group=4,
+        topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, tie_word_embeddings=False,
+    )
+    vision = dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2,
+                  num_attention_heads=2, num_hidden_layers=1, hidden_size=16,
+                  intermediate_size=32)
+    # The wrapper's own tie_word_embeddings (default True) is the one transformers ties by.
+    cfg = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=16,
+                         tie_word_embeddings=False)
+    model = Kimi_K25ForConditionalGeneration(cfg)
+    _randomize_router_bias(model)
+    return model
+
+
+def _kimi_release_layout(out: Path) -> None:
+    """transformers 5.23 saves Kimi-K2.5's text layers as language_model.model.blocks.* (its
+    vision blocks -> layers rename reverted on every name) and the text model_type as
+    deepseek_v3; the release says layers and kimi_k2."""
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["text_config"]["model_type"] = "kimi_k2"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors = load_file(out / "model.safetensors")
+    renamed = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+               for k, v in tensors.items()}
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+
+
 def _soften_mla_queries(model) -> None:
     """MLA scores have no q/k norm and come out sharper than GQA's at randomize()'s scale; a
     context-dominated trunk is too hard for the tiny distilled head to draft for."""
@@ -158,6 +212,10 @@ class Family:
     model_type: str | None = None
     # Applied to the transformers model after randomize(), e.g. to soften attention.
     adjust: Callable[[torch.nn.Module], None] | None = None
+    # Rewrites the saved folder into the release's layout (after save_pretrained).
+    rewrite: Callable[[Path], None] | None = None
+    # The text model's "model." prefix in a wrapper's checkpoint (MTP tensors go below it).
+    text_prefix: str = "model."
 
 
 FAMILIES = [
@@ -176,6 +234,10 @@ FAMILIES = [
            adjust=_soften_mla_queries),
     Family("deepseek_v3_plain_q", lambda: _deepseek_v3(False), mtp_layout="deepseek",
            adjust=_soften_mla_queries),
+    Family("glm4_moe_lite", _glm4_moe_lite, mtp_layout="deepseek", adjust=_soften_mla_queries),
+    # A DeepSeek-V3 text model in a vision-language wrapper, in the release's names.
+    Family("kimi_k25", _kimi_k25, mtp_layout="deepseek", adjust=_soften_mla_queries,
+           rewrite=_kimi_release_layout, text_prefix="language_model.model."),
 ]
 FAMILY_IDS = [f.name for f in FAMILIES]
 
@@ -225,6 +287,8 @@ def write_checkpoint(fam: Family, out: Path, seed: int = 0) -> torch.nn.Module:
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
     if fam.vlm_layout:
         _to_vlm_layout(out)
+    if fam.rewrite is not None:
+        fam.rewrite(out)
     return model
 
 
@@ -277,6 +341,8 @@ def add_mtp_head(
     tensors = {f"mtp.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
     if fam.mtp_layout == "deepseek":
         tensors = to_deepseek_layout(tensors, target["num_hidden_layers"], model)
+        tensors = {fam.text_prefix + k[len("model."):] if k.startswith("model.") else k: v
+                   for k, v in tensors.items()}
     elif fam.mtp_layout == "mimo":
         tensors = to_mimo_layout(tensors)
     if separate_file:

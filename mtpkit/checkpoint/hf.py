@@ -27,6 +27,10 @@ def text_config(config: dict) -> dict:
     # The top-level model_type names the checkpoint (qwen3_5); keep it for the registry
     # unless the text config names its own family.
     merged.setdefault("model_type", config.get("model_type"))
+    if config.get("model_type") == "kimi_k25" and merged["model_type"] == "deepseek_v3":
+        # transformers writes Kimi-K2.5's kimi_k2 text model as deepseek_v3; the name
+        # the release uses picks the family that knows the wrapper's tensor prefixes.
+        merged["model_type"] = "kimi_k2"
     return merged
 
 

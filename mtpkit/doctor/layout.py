@@ -64,11 +64,16 @@ def set_key(raw: dict, dotted: str, value) -> None:
     node[parts[-1]] = value
 
 
+# A text layer's prefix: model.layers.N, Qwen3.5 VLM's model.language_model.layers.N, and
+# Kimi-K2.5's language_model.model.layers.N (NVFP4 exports: language_model.layers.N).
+_TEXT_LAYER = r"(?:model\.(?:language_model\.)?|language_model\.(?:model\.)?)layers\.(\d+)\."
+
+
 def is_mtp_tensor(name: str, n_layer: int | None) -> bool:
     """Whether an on-disk tensor belongs to an MTP head (any family's layout)."""
     if name.startswith(("mtp.", "model.mtp_layers.")):
         return True
-    m = re.match(r"model\.(?:language_model\.)?layers\.(\d+)\.", name)
+    m = re.match(_TEXT_LAYER, name)
     return bool(m and n_layer is not None and int(m[1]) >= n_layer)
 
 
@@ -82,7 +87,7 @@ def mtp_layer_count(names: list[str], n_layer: int | None) -> int:
         any_mtp = True
         if m := re.match(r"(?:mtp\.layers|model\.mtp_layers)\.(\d+)\.", n):
             layers.add(int(m[1]))
-        elif (m := re.match(r"model\.(?:language_model\.)?layers\.(\d+)\.", n)) and n_layer:
+        elif (m := re.match(_TEXT_LAYER, n)) and n_layer:
             layers.add(int(m[1]) - n_layer)
     if not any_mtp:
         return 0
