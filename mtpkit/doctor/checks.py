@@ -77,6 +77,10 @@ def diagnose(path, engines=None, vllm_version=None) -> Report:
             f"{p}: not a checkpoint folder or .gguf file; pass the folder that holds "
             "config.json and the .safetensors files, or a .gguf file"
         )
+    from .mlx import MLX_ENGINES, diagnose_mlx, is_mlx_checkpoint
+
+    if any(e in MLX_ENGINES for e in engines or ()) or (not engines and is_mlx_checkpoint(p)):
+        return diagnose_mlx(p, engines)
     wanted = tuple(engines) if engines else ALL_ENGINES
     for e in wanted:
         if e not in ALL_ENGINES:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-ENGINE_CHOICES = ["vllm", "sglang", "llama.cpp", "mtpkit", "all"]
+ENGINE_CHOICES = ["vllm", "sglang", "llama.cpp", "mtpkit", "vllm-mlx", "mlx-lm", "all"]
 
 
 def add_parser(sub) -> None:

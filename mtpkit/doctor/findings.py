@@ -58,6 +58,22 @@ CODES = {
     "mtp-acceptance-drift": "measured acceptance is clearly below the reference checkpoint's",
     "mtp-acceptance-ok": "measured acceptance",
     "measure-failed": "the model could not be loaded or measured in mtpkit",
+    # MLX checkpoints (mtpkit/doctor/mlx.py, docs/mlx.md)
+    "mlx-lm-no-mtp": "mlx-lm runs no MTP head; vllm-mlx does",
+    "mlx-lm-mtp-file-breaks-load": "a Qwen3-Next model-mtp.safetensors that mlx_lm.load "
+                                   "refuses",
+    "mlx-no-mtp-family": "vllm-mlx injects no MTP head into this model_type",
+    "mlx-mtp-file-missing": "no head file where vllm-mlx looks (mtp/weights.safetensors, "
+                            "model-mtp.safetensors)",
+    "mlx-mtp-prefix": "the head file's tensors are under a prefix vllm-mlx does not read",
+    "mlx-mtp-config-missing": "a head file but no MTP layer count in the config",
+    "mlx-mtp-experts-unloadable": "MTP experts stored per expert; vllm-mlx reads stacked ones",
+    "mlx-mtp-bits-mismatch": "head triplets quantized unlike the trunk (vllm-mlx dequantizes "
+                             "them with the trunk's bits)",
+    "mlx-mtp-low-bits": "an MTP head stored at 4 bits or less",
+    "mlx-mtp-norm-convention": "MTP norm weights in the convention vllm-mlx does not expect",
+    "mlx-hidden-state-mode": "mtp_hidden_state_mode missing or invalid",
+    "mlx-qwen3-next-head": "vllm-mlx feeds Qwen3-Next's head other inputs than it was trained on",
 }
 
 

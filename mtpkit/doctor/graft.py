@@ -286,6 +286,10 @@ def graft(src, dst, out, precision: str = "keep", engines=None, force: bool = Fa
         return _graft_into_gguf(src, dst, out, precision, engines)
     if not dst.is_dir():
         raise CheckpointError(f"{dst}: not a checkpoint folder or .gguf file")
+    from .mlx import graft_into_mlx, is_mlx_checkpoint
+
+    if is_mlx_checkpoint(dst):
+        return graft_into_mlx(src, dst, out, precision, engines)
     return _graft_into_hf(src, dst, out, precision, engines)
 
 

@@ -47,8 +47,12 @@ def add_parser(sub) -> None:
                    help="--method gptq or --smooth: text files, folders or JSONL")
     p.add_argument("--calib-tokens", type=int, default=8192,
                    help="--method gptq or --smooth: calibration tokens (default 8192)")
-    p.add_argument("--format", choices=["compressed-tensors", "gguf"],
-                   default="compressed-tensors")
+    p.add_argument("--format", choices=["compressed-tensors", "gguf", "mlx"],
+                   default="compressed-tensors",
+                   help="mlx: MLX affine quantization as mlx-lm writes it, the MTP head where "
+                        "vllm-mlx loads it (docs/mlx.md)")
+    p.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8], default=4,
+                   help="--format mlx: bits per weight (default 4)")
     p.add_argument("--gguf-type", choices=["F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0",
                                            "Q4_1", "Q4_0"], default="Q8_0",
                    help="--format gguf: tensor type (default Q8_0; --mtp sets the head's)")
@@ -62,6 +66,8 @@ def run(a) -> int:
     from .pack import Scheme
     from .quantize import quantize_checkpoint, quantize_gguf
 
+    if a.format == "mlx":
+        return _run_mlx(a)
     model = a.model
     if model is None:
         from ..builtin import builtin_head, builtin_trunk
@@ -112,4 +118,24 @@ def run(a) -> int:
         print(f"note: the lm_head was kept unquantized: its shape does not fit "
               f"{a.scheme if a.lm_head == 'same' else a.lm_head}"
               f"{f' g{group}' if group else ''}", file=sys.stderr)
+    return 0
+
+
+def _run_mlx(a) -> int:
+    from .mlx import quantize_mlx
+
+    if a.model is None or a.head is not None:
+        raise ValueError("--format mlx converts a Qwen3.5 / Qwen3-Next HF folder with its own "
+                         "head: pass --model, without --head")
+    mtp = {"keep": "bf16", "same": "same"}.get(a.mtp)
+    if mtp is None:
+        raise ValueError("--format mlx: --mtp keep (BF16, default) or same (the trunk's bits; "
+                         "vllm-mlx dequantizes the head with them)")
+    rep = quantize_mlx(a.model, a.out, bits=a.bits, group_size=a.group_size or 64, mtp=mtp,
+                       force=a.force)
+    head = f", MTP head in {rep.head} ({rep.head_precision})" if rep.head else ""
+    print(f"wrote {rep.out}: {rep.quantized} modules {a.bits}-bit g{a.group_size or 64}, "
+          f"{rep.kept} kept float{head}", file=sys.stderr)
+    for note in rep.notes:
+        print(f"note: {note}", file=sys.stderr)
     return 0
