@@ -27,7 +27,7 @@ def checkpoint_factory(tmp_path_factory):
 
     def get(name: str) -> Path:
         if name not in _BUILT:
-            fam = next(f for f in tiny.FAMILIES if f.name == name)
+            fam = next(f for f in tiny.FAMILIES + tiny.MORE_FAMILIES if f.name == name)
             out = tmp_path_factory.mktemp(name)
             tiny.write_checkpoint(fam, out)
             tiny.add_mtp_head(out, fam)

@@ -129,6 +129,23 @@ def test_qwen3_next_moe_layout(checkpoint_factory, tmp_path):
             load_model(out)
 
 
+def test_qwen3_5_moe_layout(checkpoint_factory, tmp_path):
+    """Qwen3.5-MoE: routed experts stacked as switch_mlp in the trunk and in the head (where
+    vllm-mlx builds them so), routers at 8 bits, the head in BF16."""
+    out = _mlx_copy(checkpoint_factory, tmp_path, "qwen3_5_moe_vlm", bits=4)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_moe"
+    gate = {"bits": 8, "group_size": 64}
+    assert cfg["quantization"]["language_model.model.layers.0.mlp.gate"] == gate
+    t = load_file(out / "model.safetensors")
+    experts = "language_model.model.layers.0.mlp.switch_mlp.up_proj"
+    assert t[f"{experts}.weight"].shape[0] == 4 and t[f"{experts}.weight"].dtype == torch.uint32
+    head = load_file(out / MTP_DIR_FILE)
+    assert head["mtp.layers.0.mlp.switch_mlp.up_proj.weight"].shape == (4, 32, 64)
+    assert all(v.dtype == torch.bfloat16 for v in head.values())
+    assert diagnose(out, ["vllm-mlx"]).exit_code == 0
+
+
 def test_refuses_other_families(checkpoint_factory, tmp_path):
     with pytest.raises(ValueError, match="qwen3_5"):
         quantize_mlx(checkpoint_factory("qwen3"), tmp_path / "o")
@@ -303,7 +320,8 @@ def _mlx_greedy(model, prompt, n):
 
 @needs_mlx
 @pytest.mark.parametrize("fam,bits", [("qwen3_5_vlm", 8), ("qwen3_5_vlm", 4),
-                                      ("qwen3_next_dense", 8), ("qwen3_next_moe", 4)])
+                                      ("qwen3_5_moe_vlm", 4), ("qwen3_next_dense", 8),
+                                      ("qwen3_next_moe", 4)])
 def test_mlx_lm_greedy_matches_mtpkit(checkpoint_factory, tmp_path, fam, bits):
     """mlx-lm on mtpkit's MLX copy decodes what mtpkit decodes on the same (dequantized)
     weights, and mtpkit's MTP decoding is the same text again."""
@@ -355,11 +373,12 @@ def _mtpkit_drafts(model, ids: list[int]):
 
 
 @needs_vllm_mlx
-@pytest.mark.parametrize("mtp,bits", [("bf16", 4), ("same", 8)])
-def test_vllm_mlx_injects_the_head(checkpoint_factory, tmp_path, mtp, bits):
+@pytest.mark.parametrize("fam,mtp,bits", [("qwen3_5_vlm", "bf16", 4),
+                                          ("qwen3_5_vlm", "same", 8),
+                                          ("qwen3_5_moe_vlm", "bf16", 4)])
+def test_vllm_mlx_injects_the_head(checkpoint_factory, tmp_path, fam, mtp, bits):
     """vllm-mlx's own injection on mtpkit's output drafts what mtpkit's head drafts on the
-    same weights, and accepts as often, on the trunk's greedy text."""
-    fam = "qwen3_5_vlm"
+    same weights, and accepts as often, on the trunk's greedy text (dense and MoE heads)."""
     mlx_dir = _mlx_copy(checkpoint_factory, tmp_path, fam, bits=bits, mtp=mtp)
     ref = tmp_path / "ref"
     _dequantized_hf(checkpoint_factory(fam), ref, bits, head_bf16=mtp == "bf16")
@@ -386,3 +405,14 @@ def test_vllm_mlx_injects_the_head(checkpoint_factory, tmp_path, mtp, bits):
     assert agree / total >= 0.95, (agree, total)
     assert abs(acc_mlx - acc_mine) / total <= 0.05
     assert acc_mine / total > 0.5  # the distilled head does draft
+
+
+def test_cli_refuses_options_mlx_does_not_take(tmp_path, capsys):
+    """Options of the other formats are refused with --format mlx, not silently dropped."""
+    from mtpkit.cli import main
+
+    code = main(["quantize", "--format", "mlx", "--model", str(tmp_path), "--out",
+                 str(tmp_path / "out"), "--scheme", "w8a8", "--lm-head", "same"])
+    assert code == 2
+    assert "drop --scheme, --lm-head" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

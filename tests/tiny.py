@@ -84,6 +84,21 @@ def _qwen3_5(vocab_size: int = VOCAB):
     return Qwen3_5ForCausalLM(cfg)
 
 
+def _qwen3_5_moe(vocab_size: int = VOCAB):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    cfg = Qwen3_5MoeTextConfig(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"] * 2, partial_rotary_factor=0.25,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    return Qwen3_5MoeForCausalLM(cfg)
+
+
 def _randomize_router_bias(model, scale: float = 0.1) -> None:
     """DeepSeek-style routers keep e_score_correction_bias as a buffer that randomize() skips."""
     with torch.no_grad():
@@ -240,6 +255,11 @@ FAMILIES = [
            rewrite=_kimi_release_layout, text_prefix="language_model.model."),
 ]
 FAMILY_IDS = [f.name for f in FAMILIES]
+# Built on request (checkpoint_factory) by tests of one feature, outside the shared table.
+MORE_FAMILIES = [
+    Family("qwen3_5_moe_vlm", _qwen3_5_moe, mtp_config_key="mtp_num_hidden_layers",
+           vlm_layout=True),
+]
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -295,9 +315,11 @@ def write_checkpoint(fam: Family, out: Path, seed: int = 0) -> torch.nn.Module:
 def _to_vlm_layout(out: Path) -> None:
     """Rewrite a text-only Qwen3.5 checkpoint as the VLM release layout users download."""
     cfg = json.loads((out / "config.json").read_text())
+    moe = cfg.get("model_type") == "qwen3_5_moe_text"
     nested = {
-        "model_type": "qwen3_5",
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe
+                          else "Qwen3_5ForConditionalGeneration"],
         "text_config": cfg,
         "vision_config": {"depth": 1, "hidden_size": 8},
         "tie_word_embeddings": cfg.get("tie_word_embeddings", False),

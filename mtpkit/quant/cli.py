@@ -127,6 +127,14 @@ def _run_mlx(a) -> int:
     if a.model is None or a.head is not None:
         raise ValueError("--format mlx converts a Qwen3.5 / Qwen3-Next HF folder with its own "
                          "head: pass --model, without --head")
+    other = [flag for flag, given in (
+        ("--scheme", a.scheme != "w4a16"), ("--method", a.method != "rtn"),
+        ("--lm-head", a.lm_head != "keep"), ("--smooth", a.smooth is not None),
+        ("--asymmetric", a.asymmetric), ("--calib-data", bool(a.calib_data)),
+        ("--gguf-type", a.gguf_type != "Q8_0")) if given]
+    if other:
+        raise ValueError(f"--format mlx quantizes as mlx-lm does (--bits, --group-size; the "
+                         f"lm_head too): drop {', '.join(other)}")
     mtp = {"keep": "bf16", "same": "same"}.get(a.mtp)
     if mtp is None:
         raise ValueError("--format mlx: --mtp keep (BF16, default) or same (the trunk's bits; "
