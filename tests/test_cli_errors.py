@@ -266,3 +266,11 @@ def test_missing_bench_extra_is_refused_before_any_work(bad, tmp_path, capsys, m
     line = _expect_one_error(capsys, _argv(argv, None, bad, tmp_path), [bad], tmp_path / "out")
     assert line == (f"error: mtpkit {argv[0]} {argv[1]} needs {module}, which is not "
                     'installed: pip install "mtpkit[bench]"')
+
+
+def test_whole_checkpoint_as_head_says_to_pass_it_as_model(model, tmp_path, capsys, no_server):
+    """`calibrate --init head` on a checkpoint with its own head writes a whole checkpoint;
+    given as --head, it is refused with the flag that takes it."""
+    line = _expect_one_error(capsys, ["generate", "hi", "--model", str(model), "--head",
+                                      str(model)], [model], tmp_path / "out")
+    assert "is a whole checkpoint" in line and f"--model {model}" in line, line

@@ -33,6 +33,13 @@ class WithHead:
         self.trunk = trunk
         self.head_dir = Path(head_dir)
         f = self.head_dir / HEAD_FILE if self.head_dir.is_dir() else self.head_dir
+        if not f.exists() and (self.head_dir / "config.json").exists():
+            # `mtpkit calibrate --init head` on a checkpoint with a head of its own writes the
+            # whole checkpoint again, the recalibrated head inside it, not a head folder.
+            raise CheckpointError(
+                f"{self.head_dir} is a whole checkpoint, not a head folder (`mtpkit calibrate "
+                "--init head` on a checkpoint with its own head writes one, the new head "
+                f"inside): pass it as --model {self.head_dir}, without --head")
         if not f.exists():
             raise CheckpointError(
                 f"{f}: no MTP head file; --head takes a folder written by `mtpkit calibrate` "
