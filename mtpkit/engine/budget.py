@@ -28,12 +28,17 @@ def _ranked(probs: list[list[float]]) -> list[tuple[float, int, int]]:
     return rows
 
 
-def top_drafts(probs: list[list[float]], m: int) -> list[int]:
-    """Drafts to verify per sequence when m rows of drafts are verified: the m likeliest."""
-    take = [0] * len(probs)
-    for _, _, i in _ranked(probs)[:m]:
+def _take(ranked: list[tuple[float, int, int]], n: int, m: int) -> list[int]:
+    # Drafts per sequence (of n) in the first m of a _ranked list.
+    take = [0] * n
+    for _, _, i in ranked[:m]:
         take[i] += 1
     return take
+
+
+def top_drafts(probs: list[list[float]], m: int) -> list[int]:
+    """Drafts to verify per sequence when m rows of drafts are verified: the m likeliest."""
+    return _take(_ranked(probs), len(probs), m)
 
 
 def choose_drafts(probs: list[list[float]],
@@ -55,7 +60,7 @@ def choose_drafts(probs: list[list[float]],
         seconds = cost(n + m)
         if seconds is not None and seconds > 0 and tokens / seconds > best_rate:
             best_m, best_rate = m, tokens / seconds
-    return top_drafts(probs, best_m)
+    return _take(ranked, n, best_m)
 
 
 class RoundCosts:

@@ -614,13 +614,10 @@ class Programs(nn.Module):
             layers += list(self.model.mtp.layers)
         return self.row_exact and not any(b.self_attn.output_gate for b in layers)
 
+    # The batched passes keep every row on the row-exact kernels however many rows there
+    # are (every_row_exact): a prompt's many rows may take torch's GEMM, a step's never.
+    @every_row_exact()
     def trunk_rows(self, seqs):
-        """The trunk over several sequences' rows in one pass (_trunk_rows), every GEMM
-        row-exact however many rows there are."""
-        with every_row_exact():
-            return self._trunk_rows(seqs)
-
-    def _trunk_rows(self, seqs):
         """The trunk over several sequences' rows in one pass: seqs = [(ids [1, T], pos [T],
         kc, vc, span)], each attending over its own caches, every GEMM and norm once over
         all rows -> [(post, pre)] a sequence. Row-exact kernels give each row the bits
@@ -653,6 +650,7 @@ class Programs(nn.Module):
         post = m.model.norm(x)
         return list(zip(post.split(sizes, 1), x.split(sizes, 1), strict=True))
 
+    @every_row_exact()
     def decode_many(self, items):
         """decode() of several sequences, items = [(token [1, 1], pos [1], kc, vc, span)]
         -> [next token [1]]."""
@@ -660,6 +658,7 @@ class Programs(nn.Module):
         picks = argmax_rows(self.logits(torch.cat([p for p, _ in states], 1)[0]))
         return list(picks.split(1))
 
+    @every_row_exact()
     def round_many(self, items, k: int):
         """round() of several sequences, items = [(tokens, pos0, kc, vc, hk, hv, span)],
         with one trunk pass and one head pass per draft step -> [(out, probs)]."""
@@ -700,13 +699,8 @@ class Programs(nn.Module):
         return [(torch.cat([target, n, drafts[b]]), ps[b])
                 for b, (target, n) in enumerate(zip(targets, ns, strict=True))]
 
+    @every_row_exact()
     def head_rows(self, seqs):
-        """The MTP head over several sequences' rows in one pass (_head_rows), every GEMM
-        row-exact however many rows there are."""
-        with every_row_exact():
-            return self._head_rows(seqs)
-
-    def _head_rows(self, seqs):
         """The MTP head over several sequences' rows in one pass: seqs = [(ids [1, T],
         states [1, T, D], pos [T], hk, hv, span)], each attending over its own head cache
         -> [(post, pre)] a sequence."""
@@ -1258,8 +1252,7 @@ class FastDecoder:
             threads.tick()
             t0 = time.perf_counter()
             if kind == "decode":
-                with every_row_exact():  # the lm_head's rows too
-                    got = pr.decode_many([steps[i].args for i in idx])
+                got = pr.decode_many([steps[i].args for i in idx])
                 self._timed((kind, k, n), time.perf_counter() - t0)
             else:
                 group = [steps[i] for i in idx]
@@ -1267,8 +1260,7 @@ class FastDecoder:
                 # Fewer rows verified: the pending token and the drafts chosen.
                 args = [(st.args[0][:, : c + 1], *st.args[1:])
                         for st, c in zip(group, take, strict=True)]
-                with every_row_exact():
-                    got = pr.round_many(args, k)
+                got = pr.round_many(args, k)
                 seconds = time.perf_counter() - t0
                 self._timed((kind, k, n), seconds)
                 self._round_costs.setdefault((k, n), RoundCosts()).record(n + sum(take),
@@ -1290,8 +1282,7 @@ class FastDecoder:
             return full
         if n not in costs.seconds:
             return [0] * n
-        probs = [[] if st.probs is None else st.probs[:f].tolist()
-                 for st, f in zip(group, full, strict=True)]
+        probs = [[] if st.probs is None else st.probs.tolist() for st in group]
         if costs.turns % EXPLORE == 0:
             return top_drafts(probs, costs.turns // EXPLORE % (most + 1))
         return choose_drafts(probs, costs.estimate)
