@@ -63,3 +63,9 @@ def model_dir(checkpoint_factory, tmp_path_factory) -> Path:
     shutil.copytree(checkpoint_factory("llama"), out)
     tiny.write_char_tokenizer(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir) -> tiny.Reference:
+    """Direct single-request engine runs on the tiny text checkpoint."""
+    return tiny.Reference(model_dir)

@@ -771,6 +771,18 @@ def _fake_quant_reference(src, quantized):
     return ref
 
 
+def _runs_like_its_dequantization(src, q):
+    """Assert the quantized model's logits on a fixed prompt are those of the fp32 model with
+    its weights dequantized (within 2% of their range); return that reference and prompt."""
+    ref = _fake_quant_reference(src, q)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = ref.model.logits(ref.model(ids).hidden)
+        b = q.model.logits(q.model(ids).hidden)
+    assert (a - b).abs().max() < 2e-2 * a.abs().max()
+    return ref, ids
+
+
 def _fake_quant_input(module, args):
     x = args[0]
     q, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
@@ -790,12 +802,7 @@ def test_quantized_checkpoint_runs_like_its_dequantization(checkpoint_factory, t
     assert not [n for n in notes if "unquantized although" in n], notes
     assert q.model.mtp is not None
     assert not any(isinstance(m, QuantLinear) for m in q.model.mtp.modules())  # --mtp keep
-    ref = _fake_quant_reference(src, q)
-    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a = ref.model.logits(ref.model(ids).hidden)
-        b = q.model.logits(q.model(ids).hidden)
-    assert (a - b).abs().max() < 2e-2 * a.abs().max()
+    ref, ids = _runs_like_its_dequantization(src, q)
     engine = Engine(q.model)
     p = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = list(engine.generate(ids[0].tolist(), p, 0))
@@ -1112,13 +1119,8 @@ def test_lm_head_same_quantizes_the_lm_head(checkpoint_factory, tmp_path, fam, s
     assert not [n for n in notes if "unquantized although" in n], notes
     assert isinstance(q.model.lm_head, QuantLinear)
     assert q.model.lm_head.act_quant == ("int8-token" if scheme.endswith("a8") else None)
-    ref = _fake_quant_reference(src, q)
+    ref, ids = _runs_like_its_dequantization(src, q)
     assert torch.equal(q.model.model.embed_tokens.weight, ref.model.model.embed_tokens.weight)
-    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a = ref.model.logits(ref.model(ids).hidden)
-        b = q.model.logits(q.model(ids).hidden)
-    assert (a - b).abs().max() < 2e-2 * a.abs().max()
     engine = Engine(q.model, draft_vocab=torch.arange(0, VOCAB, 3))
     assert isinstance(engine.drafter.sub_head, QuantLinear)
     p = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -1191,12 +1193,7 @@ def test_default_group_size_fits_each_layer_and_explicit_misfits_are_refused(tmp
     assert len(layers) == 14 and not [n for n in notes if "unquantized although" in n]
     assert layers["model.layers.0.mlp.down_proj"].group_size == 128
     assert layers["model.layers.0.self_attn.o_proj"].group_size == 64
-    ref = _fake_quant_reference(src, q)
-    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a = ref.model.logits(ref.model(ids).hidden)
-        b = q.model.logits(q.model(ids).hidden)
-    assert (a - b).abs().max() < 2e-2 * a.abs().max()
+    ref, ids = _runs_like_its_dequantization(src, q)
 
     refused = tmp_path / "refused"
     assert main(["quantize", "--model", str(src), "--out", str(refused), "--scheme",
@@ -1311,12 +1308,7 @@ def test_lm_head_w8a16_under_a_w8a8_trunk(checkpoint_factory, tmp_path):
     q, _ = _load(out)
     assert isinstance(q.model.lm_head, QuantLinear) and q.model.lm_head.act_quant is None
     assert q.model.model.layers[0].mlp.down_proj.act_quant == "int8-token"
-    ref = _fake_quant_reference(src, q)
-    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a = ref.model.logits(ref.model(ids).hidden)
-        b = q.model.logits(q.model(ids).hidden)
-    assert (a - b).abs().max() < 2e-2 * a.abs().max()
+    ref, ids = _runs_like_its_dequantization(src, q)
 
 
 def _outlier_model(src, tmp_path):

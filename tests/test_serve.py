@@ -27,9 +27,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from tiny import Reference
 
-from mtpkit.engine.generate import Engine, Result
-from mtpkit.engine.loader import load_model
 from mtpkit.engine.sampling import SamplingParams
 
 NAME = "tiny-llama"
@@ -127,36 +126,6 @@ def B(fleet):
 @pytest.fixture(scope="module")
 def C(fleet):
     return fleet["C"].wait_ready()
-
-
-# -- the reference: a direct single-request Engine run ----------------------------------------
-
-class Reference:
-    """Direct Engine.generate runs on the same checkpoint."""
-
-    def __init__(self, model_dir: Path) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            loaded = load_model(model_dir)
-        self.tok = loaded.tokenizer
-        self.model = loaded.model
-        self.engine = Engine(loaded.model, loaded.tokenizer)
-
-    def ids(self, prompt: str, chat: bool = False) -> list[int]:
-        if chat:
-            return self.tok.chat_ids([{"role": "user", "content": prompt}])
-        return self.tok.encode(prompt)
-
-    def run(self, ids: list[int], max_tokens: int, k: int, **kw) -> tuple[str, Result]:
-        params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **kw})
-        res = Result()
-        tokens = list(self.engine.generate(ids, params, k, result=res))
-        return self.tok.decode(tokens), res
-
-
-@pytest.fixture(scope="module")
-def ref(model_dir) -> Reference:
-    return Reference(model_dir)
 
 
 # -- helpers ----------------------------------------------------------------------------------

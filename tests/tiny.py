@@ -469,3 +469,34 @@ def smollm_path() -> Path | None:
         return smollm2_gguf()
     except CheckpointError:
         return None
+
+
+class Reference:
+    """Direct Engine.generate runs on the same checkpoint (what served and API requests
+    must reproduce)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from mtpkit.engine.generate import Engine
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = load_model(model_dir)
+        self.tok = loaded.tokenizer
+        self.model = loaded.model
+        self.engine = Engine(loaded.model, loaded.tokenizer)
+
+    def ids(self, prompt: str, chat: bool = False) -> list[int]:
+        """The prompt's token ids, through the chat template with ``chat``."""
+        if chat:
+            return self.tok.chat_ids([{"role": "user", "content": prompt}])
+        return self.tok.encode(prompt)
+
+    def run(self, ids: list[int], max_tokens: int, k: int, **kw):
+        """(text, Result) of one request, greedy unless ``kw`` says otherwise."""
+        from mtpkit.engine.generate import Result
+        from mtpkit.engine.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **kw})
+        res = Result()
+        tokens = list(self.engine.generate(ids, params, k, result=res))
+        return self.tok.decode(tokens), res
