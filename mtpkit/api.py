@@ -115,13 +115,17 @@ def _int(value, name: str, low: int) -> int:
 # -- loading -----------------------------------------------------------------------------------
 
 def load(model=None, head=None, **options) -> Model:
-    """Load a checkpoint folder or .gguf file (default: the built-in model) to generate with."""
+    """Load a checkpoint folder or .gguf file (default: the built-in model; "builtin-f16" for its
+    float16 weights) to generate with."""
     unknown = sorted(set(options) - set(LOAD_OPTIONS))
     if unknown:
         raise TypeError(f"load() got unknown option(s) {', '.join(unknown)}; it takes "
                         f"{', '.join(LOAD_OPTIONS)}")
     opts = {**LOAD_OPTIONS, **options}
-    model = _path(model, "checkpoint folder or .gguf file")
+    from .builtin import BUILTIN_NAMES
+
+    if model not in BUILTIN_NAMES:  # "builtin", "builtin-f16": the built-in model's weights
+        model = _path(model, "checkpoint folder or .gguf file")
     head = _path(head, "MTP head folder")
     compile_mode = "off" if opts["compile"] is None else opts["compile"]
     if compile_mode not in COMPILE_MODES:
@@ -149,7 +153,10 @@ def load(model=None, head=None, **options) -> Model:
         )
     if session.tokenizer is None:
         raise LoadError(f"{session.name}: no tokenizer found; generating text needs one")
-    return Model(session, {**opts, "compile": compile_mode}, builtin=model is None)
+    from .builtin import builtin_name
+
+    return Model(session, {**opts, "compile": compile_mode},
+                 builtin=builtin_name(model) is not None)
 
 
 def _check_device(device) -> None:

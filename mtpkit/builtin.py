@@ -40,13 +40,53 @@ def cache_dir() -> Path:
     return from_env()
 
 
-def builtin_trunk() -> Path:
-    """The SmolLM2 trunk as a safetensors folder, converted from the GGUF on first use."""
+# What --model accepts for the built-in trunk, and the weights each names: "int8" (the
+# default), per-channel int8 weights with float activations, lm_head included; "float16",
+# the GGUF's Q4_1 blocks dequantised into 16-bit matrices, run with float32 sums. The int8
+# copy reads half the bytes a step and runs on integer dot products (quant/linear.py), for
+# a perplexity within about 0.1% of the float16 one (docs/quantization.md).
+BUILTIN_NAMES = {"builtin": "int8", "builtin-f16": "float16"}
+MODEL_HELP = ("checkpoint folder or .gguf file; builtin (the default: the built-in model, int8 "
+              "weights) or builtin-f16 (its float16 weights)")
+
+
+def builtin_name(model) -> str | None:
+    """The weights a --model value names when it names the built-in trunk (None: no model,
+    or one of BUILTIN_NAMES), else None."""
+    if model is None:
+        return "int8"
+    return BUILTIN_NAMES.get(str(model))
+
+
+def builtin_trunk(weights: str = "float16") -> Path:
+    """The SmolLM2 trunk as a safetensors folder, made on first use: ``float16``, converted
+    from the GGUF (the source every tool that writes a checkpoint starts from), or ``int8``,
+    quantized from that (what generate, serve and eval run by default)."""
     src = smollm2_gguf()
     out = cache_dir() / f"smollm2-135m-instruct-q4_1-f16-{src.stat().st_size}"
     if not (out / "config.json").exists():
         convert_gguf(src, out)
-    return out
+    if weights == "float16":
+        return out
+    if weights != "int8":
+        raise ValueError(f"unknown built-in weights {weights!r}: int8 or float16")
+    int8 = cache_dir() / f"smollm2-135m-instruct-q4_1-w8a16-{src.stat().st_size}"
+    if not (int8 / "config.json").exists():
+        from .quant.pack import Scheme
+        from .quant.quantize import quantize_checkpoint
+
+        # quantize_checkpoint writes a temporary folder and renames it into place.
+        quantize_checkpoint(out, int8, Scheme("w8a16", None), lm_head="same", force=True)
+    return int8
+
+
+def resolve_model(model, head=None) -> tuple[str | Path, str | Path | None]:
+    """(checkpoint, head) for a --model value and --head: a built-in name (or none) gives
+    that trunk and, unless a head is given, the shipped head; anything else is as given."""
+    weights = builtin_name(model)
+    if weights is None:
+        return model, head
+    return builtin_trunk(weights), head if head is not None else builtin_head()
 
 
 def builtin_head() -> Path | None:

@@ -9,6 +9,8 @@ import sys
 import time
 import warnings
 
+from .builtin import MODEL_HELP
+
 
 def _generate_args(sub) -> None:
     p = sub.add_parser(
@@ -17,7 +19,7 @@ def _generate_args(sub) -> None:
         description="Generate text from PROMPT; text streams to stdout, metrics to stderr.",
     )
     p.add_argument("prompt", help="the prompt text (or a user message with --chat)")
-    p.add_argument("--model", help="checkpoint folder or .gguf file (default: the built-in model)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--head", help="an MTP head folder (from `mtpkit calibrate`) to use")
     # One: every supported release has one MTP layer, and chaining it further was accepted
     # too rarely to pay in every configuration measured (docs/benchmarks.md).
@@ -173,7 +175,7 @@ def _warmup_args(sub) -> None:
                     "them from then on; until they exist, both run the same programs "
                     "uncompiled. Run it in the background on a fresh machine.",
     )
-    p.add_argument("--model", help="checkpoint folder or .gguf file (default: the built-in model)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--head", help="an MTP head folder (from `mtpkit calibrate`) to use")
     p.add_argument("--num-draft-tokens", "-k", type=int, default=1,
                    help="the draft length to build for (default 1, as generate and serve)")
@@ -216,7 +218,8 @@ def _calibrate_args(sub) -> None:
         help="train an MTP head against a frozen trunk (self-distillation)",
         description="Train (or recalibrate) an MTP head on the trunk's own predictions.",
     )
-    p.add_argument("--model", help="trunk checkpoint (default: the built-in model)")
+    p.add_argument("--model",
+                   help="trunk checkpoint (default: the built-in model's float16 weights)")
     p.add_argument("--data", nargs="+", required=True, help="text files, folders or JSONL")
     p.add_argument("--out", required=True, help="output head folder (written atomically)")
     p.add_argument("--init", choices=["scratch", "head"], default="scratch",
@@ -249,9 +252,9 @@ def _calibrate_args(sub) -> None:
 def _cmd_calibrate(a) -> int:
     from .train.calibrate import CalibrateConfig, run
 
-    if a.init == "head" and a.head is None and a.model is None:
+    if a.init == "head" and a.head is None and _is_builtin(a.model):
         a.head = _builtin_head_or_none()
-    model = a.model or str(_builtin_trunk())
+    model = str(_builtin_trunk(a.model))
     from .envs import get
 
     distributed = get("WORLD_SIZE") > 1
@@ -294,7 +297,8 @@ def _export_head_args(sub) -> None:
                     "(Qwen2 layers + one MTP layer), which vLLM serves with "
                     "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'.",
     )
-    p.add_argument("--model", help="trunk checkpoint folder (default: the built-in model)")
+    p.add_argument("--model",
+                   help="trunk checkpoint folder (default: the built-in model's float16 weights)")
     p.add_argument("--head", help="head folder (default: the built-in head with the built-in "
                                   "model; none: the checkpoint's own head)")
     p.add_argument("--format", default="mimo", help="mimo (the only exact layout; see --help)")
@@ -307,9 +311,9 @@ def _cmd_export_head(a) -> int:
     from .train.export import export_head
 
     head = a.head
-    if a.model is None and head is None:
+    if _is_builtin(a.model) and head is None:
         head = _builtin_head_or_none()
-    model = a.model or str(_builtin_trunk())
+    model = str(_builtin_trunk(a.model))
     out = export_head(model, head, a.out, a.format, a.dtype)
     print(f"wrote {out} (model_type mimo, one MTP layer). Serve it with vLLM:\n"
           f"  vllm serve {out} --speculative-config "
@@ -317,10 +321,21 @@ def _cmd_export_head(a) -> int:
     return 0
 
 
-def _builtin_trunk():
-    from .builtin import builtin_trunk
+def _builtin_trunk(model=None):
+    # Tools that train on or write from the trunk start from the float16 source unless a
+    # built-in name says otherwise; other --model values are as given.
+    from .builtin import builtin_name, builtin_trunk
 
-    return builtin_trunk()
+    if model is None:
+        return builtin_trunk()
+    weights = builtin_name(model)
+    return model if weights is None else builtin_trunk(weights)
+
+
+def _is_builtin(model) -> bool:
+    from .builtin import builtin_name
+
+    return builtin_name(model) is not None
 
 
 def _builtin_head_or_none():
@@ -333,7 +348,7 @@ def _eval_args(sub) -> None:
     p = sub.add_parser("eval", help="measure MTP acceptance offline",
                        description="Per-position acceptance of a model's MTP head on a corpus "
                                    "and, in teacher mode, the trunk's perplexity on it.")
-    p.add_argument("--model", help="checkpoint (default: the built-in model)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--head", help="head folder to lay over the model")
     p.add_argument("--data", nargs="+", required=True, help="text files, folders or JSONL")
     p.add_argument("--num-draft-tokens", "-k", type=int, default=3)

@@ -58,3 +58,49 @@ def test_default_model_has_head_and_is_lossless(converted):
     got = list(session.engine.generate(prompt, params, 3, result=res))
     assert got == want
     assert res.metrics.num_accepted_tokens > 0
+
+
+def test_default_weights_are_the_float16_ones_in_int8(converted):
+    """No --model (or builtin) runs an int8 copy of the float16 conversion: every trunk
+    matrix and the lm_head as per-channel int8 codes within about half a step (the
+    rounding is done in 16 bits) of the float16
+    weights, on mtpkit's row-exact kernels; builtin-f16 names the float16 folder; tools
+    that write from the trunk take the float16 one."""
+    from mtpkit.builtin import builtin_name, resolve_model
+    from mtpkit.quant.linear import QuantLinear
+
+    assert builtin_name(None) == builtin_name("builtin") == "int8"
+    assert builtin_name("builtin-f16") == "float16" and builtin_name("some/folder") is None
+    assert resolve_model("builtin-f16")[0] == converted
+    assert resolve_model("x/y", None) == ("x/y", None)
+    int8, head = resolve_model(None)
+    assert int8 != converted and head == builtin_head()
+    f16 = load_model(converted).model
+    q = load_model(int8).model
+    floats = dict(f16.named_modules())
+    n = 0
+    for name, m in q.named_modules():
+        if isinstance(m, QuantLinear):
+            assert m.bits == 8 and m.act_quant is None and m.row_exact, name
+            w = floats[name].weight.float()
+            step = m.scale.float().reshape(-1, 1)
+            assert ((m.dequantize() - w).abs() <= 0.6 * step).all(), name
+            n += 1
+    assert n == 30 * 7 + 1  # every trunk Linear and the lm_head
+
+
+@pytest.mark.skipif(builtin_head() is None, reason="no head shipped in this checkout")
+def test_default_int8_model_is_lossless_and_close_to_float16(converted):
+    """The default model decodes with MTP exactly as without (through the int8 kernels,
+    compiled or not), and its greedy text stays close to the float16 model's."""
+    session = Session.load(None)
+    ref = Session.load("builtin-f16")
+    assert session.engine.has_mtp
+    prompt = session.encode_prompt("import os\n\ndef list_python_files(root):\n", chat=False)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    want = list(session.engine.generate(prompt, params, 0))
+    res = Result()
+    assert list(session.engine.generate(prompt, params, 2, result=res)) == want
+    assert res.metrics.num_accepted_tokens > 0
+    f16 = list(ref.engine.generate(prompt, params, 0))
+    assert f16 != [] and sum(a == b for a, b in zip(want, f16, strict=True)) >= 16

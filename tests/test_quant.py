@@ -116,6 +116,42 @@ def test_hand_int8_kernel_is_exact_and_row_independent(n, k, op):
         mm(x.double())
 
 
+@pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's int8 kernel does not build here")
+@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23), (2000, 40)])
+def test_int8_a16_kernel_is_its_reference_and_row_independent(n, k):
+    """int8_a16_mm (W8A16 layers on a CPU) gives a16_reference's bits: each activation row
+    as two exact int8 dot products (its int8 rounding and that of the remainder), within
+    about 2^-14 of the float product where W8A8's one int8 row is 2^-8 off; each row the
+    same bits whatever rows come with it, and a zero row gives zeros."""
+    from mtpkit.quant.linear import a16_reference, pack_a8, quantize_rows
+
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.05 + 0.01
+    # Channels of very different sizes, as a trunk's activations have.
+    x = torch.randn(9, k, generator=g) * torch.rand(k, generator=g) ** 3 * 8
+    x[4] = 0
+    w, s, colsum = pack_a8(codes, scale)
+
+    def mm(a):
+        return torch.ops.mtpkit.int8_a16_mm(a, w, s, colsum)[:, :n]
+
+    got = mm(x)
+    assert torch.equal(got, a16_reference(x, codes, scale))
+    assert not got[4].any()
+    want = x.double() @ (codes.double() * scale.double()[:, None]).T
+    err = (got.double() - want).abs().max() / want.abs().max()
+    q, xs = quantize_rows(x)
+    a8_err = ((((q.double() * xs.double()[:, None]) @ (codes.double() * scale.double()[:, None]).T)
+               - want).abs().max() / want.abs().max())
+    assert err < 2e-4 and err < a8_err / 30
+    for rows in range(1, 10):
+        for start in range(0, 10 - rows):
+            assert torch.equal(mm(x[start:start + rows].contiguous()), got[start:start + rows])
+    with pytest.raises(RuntimeError, match="float32"):
+        mm(x.double())
+
+
 @pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's kernels do not build here")
 @pytest.mark.parametrize("vocab", [1, 7, 8, 9, 4095, 4096, 4101, 49152])
 def test_argmax_rows_matches_torch(vocab):

@@ -10,6 +10,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..builtin import MODEL_HELP
+
 
 def add_parser(sub) -> None:
     """Register ``bench`` and its subcommands on the top-level subparsers."""
@@ -23,7 +25,7 @@ def add_parser(sub) -> None:
                         description="Greedy decoding of a prompt set at every k: tokens/s, "
                                     "TTFT, acceptance, speed-up over k=0, best k; table, "
                                     "CSV, JSON and PNG plots.")
-    o.add_argument("--model", help="checkpoint folder or .gguf (default: the built-in model)")
+    o.add_argument("--model", help=MODEL_HELP)
     o.add_argument("--head", help="MTP head folder to lay over the model")
     o.add_argument("--k", default="0,1,2,3,4,5",
                    help="comma-separated draft lengths (default 0,1,2,3,4,5; 0 is always run)")
@@ -54,7 +56,7 @@ def add_parser(sub) -> None:
                                      "bound of a decode step. The programs are timed in "
                                      "turns, and each ratio is the median of its per-turn "
                                      "ratios (their range is printed below the table).")
-    st.add_argument("--model", help="checkpoint folder or .gguf (default: the built-in model)")
+    st.add_argument("--model", help=MODEL_HELP)
     st.add_argument("--head", help="MTP head folder to lay over the model")
     st.add_argument("--k", type=int, default=3, help="draft length (default 3)")
     st.add_argument("--backends", default="eager,aoti",
@@ -113,7 +115,8 @@ def add_parser(sub) -> None:
                                     "prompt lookup) and llama.cpp when installed.")
     c.add_argument("--model", help="HF checkpoint folder (default: the built-in SmolLM2)")
     c.add_argument("--head", help="MTP head folder to lay over the model")
-    c.add_argument("--k", type=int, default=3, help="mtpkit draft length (default 3)")
+    c.add_argument("--k", type=int, default=1, help="mtpkit draft length (default 1, as "
+                                                     "`mtpkit generate`)")
     c.add_argument("--prompts", default="builtin", help="builtin (default) or a prompt file")
     c.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     c.add_argument("--prompt-lookup-tokens", type=int, default=10,
@@ -121,8 +124,10 @@ def add_parser(sub) -> None:
     c.add_argument("--skip", default="", help="comma-separated engines to leave out: "
                    f"{', '.join(SKIPPABLE)}")
     c.add_argument("--out", help="results folder (default mtpkit-bench/compare-<time>)")
-    c.add_argument("--compile", choices=["off", "aoti", "inductor"], default="off",
-                   help="also run mtpkit's compiled greedy path (see `mtpkit generate`)")
+    c.add_argument("--compile", choices=["auto", "off", "aoti", "inductor"], default="auto",
+                   help="the path mtpkit runs: auto (the default, what `mtpkit generate` "
+                        "runs: programs `mtpkit warmup` built, else the same uncompiled), "
+                        "off (the eager engine), aoti or inductor (build now)")
     c.add_argument("--gguf", action="append", default=[], metavar="FILE",
                    help="also run llama.cpp on this GGUF (repeatable), e.g. the packaged "
                         "Q4_1 beside a quantized --model")
@@ -692,7 +697,7 @@ def _precision(model) -> str:
 
 def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 10,
                    skip=frozenset(), progress: bool = False, bandwidth_mb: int = 256,
-                   compile: str | None = None, ggufs=()) -> dict:
+                   compile: str | None = "auto", ggufs=()) -> dict:
     """Every engine on the same prompt ids; ratios, agreement and bounds as plain data."""
     from ..engine.session import Session
     from .common import measure_bandwidth, weight_bytes
@@ -723,7 +728,7 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder}: compare needs a Hugging Face checkpoint folder (with "
                          "config.json) that transformers can load too")
-    session = Session.load(None if builtin else folder, head=head)
+    session = Session.load(None if builtin else folder, head=head, compile=compile)
     if not session.engine.has_mtp:
         raise ValueError(f"{session.name} has no MTP head to compare with; pass --head DIR")
     ids = _encode(session, prompts)
@@ -735,20 +740,16 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
     rows = int(len(drafter.vocab)) if drafter.vocab is not None else None
     notes: list[str] = []
 
-    # mtpkit (eager, and compiled when asked) and llama.cpp run in turns, prompt by prompt
-    # (interleave): the machine's drift must not decide their ratios. transformers runs
-    # after them, one model at a time, as before.
+    # mtpkit (the path `compile` names: by default what `mtpkit generate` runs) and
+    # llama.cpp run in turns, prompt by prompt (interleave): the machine's drift must not
+    # decide their ratios. transformers runs after them, one model at a time.
     prec = _precision(session.engine.model)
-    runners = mtpkit_runners(session, [0, k], [f"mtpkit {prec} (no MTP)",
-                                               f"mtpkit {prec} MTP k={k}"])
-    if compile not in (None, "off"):
-        from ..engine.fast import enable_fast
-
-        if enable_fast(session.engine, compile) is not None:  # sets session.engine.fast
-            say(f"mtpkit compiled ({compile}): the first run builds the programs ...")
-            runners += mtpkit_runners(session, [0, k], [f"mtpkit {prec} compiled (no MTP)",
-                                                        f"mtpkit {prec} compiled MTP k={k}"],
-                                      fast=session.engine.fast)
+    fast = session.engine.fast
+    way = " eager" if fast is None else ""
+    if fast is not None and compile in ("aoti", "inductor"):
+        say(f"mtpkit compiled ({compile}): the first run builds the programs ...")
+    runners = mtpkit_runners(session, [0, k], [f"mtpkit {prec}{way} (no MTP)",
+                                               f"mtpkit {prec}{way} MTP k={k}"], fast=fast)
     n_mtpkit = len(runners)
     extra = [(f"llama.cpp {g.stem}", g) for g in ggufs]
     if "llama.cpp" not in skip:

@@ -39,10 +39,10 @@ class Session:
         """Load a checkpoint folder or GGUF file (default: the built-in model) and tokenizer;
         ``compile`` (auto, aoti, inductor or eager; None or "off" for none) serves greedy
         requests through engine.fast (FastDecoder) where the model can take it."""
-        if path is None:
-            from ..builtin import builtin_head, builtin_trunk
+        from ..builtin import builtin_name, resolve_model
 
-            path, head = builtin_trunk(), head or builtin_head()
+        if builtin_name(path) is not None:
+            path, head = resolve_model(path, head)
         loaded = load_model(path, device=device, dtype=dtype, head=head)
         # Decoding steps (1 to k+1 rows) through mtpkit's fp32 kernel: faster here than
         # torch's GEMM at those row counts, and each row the same bits whatever rows come

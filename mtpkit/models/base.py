@@ -224,7 +224,7 @@ class CausalLM(nn.Module):
             p = params[module_name]
             self._copy_param(p, self._read_float(plan, ckpt, ckpt_name), module_name,
                              ckpt_name, ckpt)
-        self._warn_unquantized(plan, by_module, report)
+        self._warn_unquantized(plan, by_module, report, getattr(ckpt, "_names", ()))
         if unexpected:
             report.notes.append(
                 f"{len(unexpected)} checkpoint tensors are not used by the "
@@ -286,16 +286,19 @@ class CausalLM(nn.Module):
             )
         return tensor
 
-    def _warn_unquantized(self, plan, by_module: dict[str, str], report) -> None:
+    def _warn_unquantized(self, plan, by_module: dict[str, str], report,
+                          overlaid=()) -> None:
         # The BF16-head-under-a-W4A16-config case: mtpkit loads what is on disk (a float
-        # module); engines that trust the config instead build a quantized module.
+        # module); engines that trust the config instead build a quantized module. A head
+        # laid over the checkpoint (--head: WithHead's _names) is not the config's to cover.
         from ..quant.formats import config_covers
 
         if not plan.config:
             return
+        overlaid = set(overlaid)
         found: list[tuple[str, str]] = []
         for module_name, ckpt_name in by_module.items():
-            if not module_name.endswith(".weight"):
+            if not module_name.endswith(".weight") or ckpt_name in overlaid:
                 continue
             owner = self.get_submodule(module_name[: -len(".weight")])
             prefix = ckpt_name[: -len(".weight")]

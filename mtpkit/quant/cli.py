@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
         description="Round-to-nearest weight-only quantization to compressed-tensors (vLLM) "
                     "or GGUF (llama.cpp), keeping the MTP head loadable by both.",
     )
-    p.add_argument("--model", help="HF checkpoint folder (default: the built-in model)")
+    p.add_argument("--model",
+                   help="HF checkpoint folder (default: the built-in model's float16 weights)")
     p.add_argument("--head", help="an MTP head folder (mtpkit calibrate) to merge in as mtp.*")
     p.add_argument("--scheme", choices=["w4a16", "w4a8", "w8a16", "w8a8", "fp8"],
                    default="w4a16",
@@ -69,10 +70,12 @@ def run(a) -> int:
     if a.format == "mlx":
         return _run_mlx(a)
     model = a.model
-    if model is None:
+    from ..builtin import builtin_name
+
+    if builtin_name(model) is not None:
         from ..builtin import builtin_head, builtin_trunk
 
-        model = str(builtin_trunk())
+        model = str(builtin_trunk("float16" if model is None else builtin_name(model)))
         # A GGUF keeps only heads llama.cpp can load as nextn layers; the built-in head is
         # a Llama-trunk head, which llama.cpp has no MTP loader for.
         if a.head is None and a.format != "gguf":

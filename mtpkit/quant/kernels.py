@@ -111,7 +111,7 @@ def _build() -> None:
     _state["lib"] = ctypes.CDLL(str(folder / f"{name}.so"),
                                 mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD | os.RTLD_NOW)
 
-    for op in ("int8_mm", "int8_a8_mm", "f32_mm", "int4_a8_mm"):
+    for op in ("int8_mm", "int8_a8_mm", "int8_a16_mm", "f32_mm", "int4_a8_mm"):
         torch.library.register_fake(f"mtpkit::{op}")(_fake_gemm)
     torch.library.register_fake("mtpkit::w8a8_pre")(_fake_pre)
     torch.library.register_fake("mtpkit::w8a8_post")(_fake_post)
@@ -184,7 +184,7 @@ def _fake_argmax(x):
 
 # mtpkit's ops, each with a C entry point (csrc/aoti_shim.h) taking its schema's arguments
 # in order, then the output.
-_OPS = ("int8_mm", "int8_a8_mm", "f32_mm", "int4_a8_mm", "w8a8_pre", "w8a8_post",
+_OPS = ("int8_mm", "int8_a8_mm", "int8_a16_mm", "f32_mm", "int4_a8_mm", "w8a8_pre", "w8a8_post",
         "w8a8_attn_post", "w8a8_layer", "w8a8_trunk", "w8a8_trunk_kv", "attend_rows",
         "argmax_rows")
 # A Tensor[] argument comes as an array of handles and its length (AOTInductor's convention).

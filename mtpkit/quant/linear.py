@@ -227,7 +227,13 @@ class QuantLinear(nn.Module):
         if self.bits == 8 and self.group_size is None:
             w = self._prepare("int8", self._pack_int8)
             if int8_mm_available():
-                out = torch.ops.mtpkit.int8_mm(x.float().contiguous(), w, self._s_f32)
+                # Each row as two int8 rows through the W8A8 loop (a16_reference): integer
+                # dot products leave the codes' widening out, so 2-16 rows cost little more
+                # than one, where float FMAs over widened codes cost per row.
+                a, s, colsum = self.a8_operands()
+                out = torch.ops.mtpkit.int8_a16_mm(x.float().contiguous(), a, s, colsum)
+                if a.shape[0] != self.out_features:
+                    out = out[:, : self.out_features]
             else:
                 out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, self._s_bf16)
             if self.zero is not None:
@@ -332,6 +338,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.round(x / safe[:, None]).clamp(-127, 127)
     # An all-zero row (xs == 0) divides by 1 and rounds to zeros.
     return q.to(torch.int8), xs
+
+
+def a16_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What int8_a16_mm computes, in torch: y = x @ (codes * scale).T with each row of x
+    split into its int8 quantization q1 (scale xs1) and that of the remainder
+    r = x - q1 * xs1 (q2, xs2), and y = (q1 . codes) * xs1 * scale + (q2 . codes) * xs2 *
+    scale, each dot product an exact integer: about 15 bits of every activation."""
+    x = x.float()
+    q1, xs1 = quantize_rows(x)
+    # One rounding of x - q1 * xs1 (the kernel's fma): exact in float64, then rounded.
+    r = (x.double() - q1.double() * xs1.double()[:, None]).float()
+    q2, xs2 = quantize_rows(r)
+    c = codes.to(torch.int64).t()
+    s = scale.reshape(-1).float()
+    return ((q1.to(torch.int64) @ c).float() * xs1[:, None]) * s \
+        + ((q2.to(torch.int64) @ c).float() * xs2[:, None]) * s
 
 
 def pack_a8(codes: torch.Tensor, scale: torch.Tensor):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..builtin import MODEL_HELP
+
 
 def add_parser(sub) -> None:
     """Register `mtpkit serve`."""
@@ -12,7 +14,7 @@ def add_parser(sub) -> None:
                     "/v1/models, /health, /metrics) with MTP speculative decoding and "
                     "interleaved scheduling of concurrent requests.",
     )
-    p.add_argument("--model", help="checkpoint folder or .gguf file (default: the built-in model)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--head", help="an MTP head folder (from `mtpkit calibrate`) to use")
     p.add_argument("--served-model-name",
                    help="the name clients send as 'model' (default: the --model argument)")

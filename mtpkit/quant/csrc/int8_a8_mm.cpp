@@ -30,6 +30,7 @@
 
 #include "aoti_shim.h"
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -101,12 +102,92 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
   return y;
 }
 
+
+// mtpkit::int8_a16_mm(x, packed, scale, colsum) -> y: int8 weights with float activations
+// (W8A16) through the W8A8 loop. Each row of x goes in as two int8 rows: q1 = its per-token
+// int8 quantization (scale xs1, as int8_a8_mm) and q2 that of the remainder r = x - q1 * xs1
+// (scale xs2, at most xs1 / 254), so
+//   y[m, n] = (float(sum_k q1 * codes) * xs1) * scale[n] + (float(sum_k q2 * codes) * xs2) * scale[n]
+// keeps about 15 bits of each activation, against 7 for W8A8: W8A16's accuracy at nearly W8A8's
+// speed. Why: int8_mm (float FMAs) widens every code to float, which on a 2-core CPU costs more
+// than reading it, so a step of 2 rows costs about 1.4 steps of one; integer dot products make
+// the codes' widening free and a few rows nearly as cheap as one. Exact integer sums, so each
+// row's bits do not depend on the other rows, the threads or the order.
+static at::Tensor int8_a16_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                              const at::Tensor& colsum) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && s.dim() == 1 && colsum.dim() == 1,
+              "int8_a16_mm: x [M,K], packed [N16,K4], scale [N16], colsum [N16]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar &&
+                  s.scalar_type() == at::kFloat && colsum.scalar_type() == at::kInt,
+              "int8_a16_mm: x float32, packed int8, scale float32, colsum int32");
+  const int64_t M = x.size(0), K = x.size(1), N16 = w.size(0), K4 = w.size(1);
+  TORCH_CHECK(N16 % 16 == 0 && K4 == (K + 3) / 4 * 4 && s.size(0) == N16 && colsum.size(0) == N16,
+              "int8_a16_mm: shapes differ (packed [N16,K4] with N16 a multiple of 16 and K4 = K "
+              "rounded up to 4, scale and colsum [N16])");
+  TORCH_CHECK(K < (1 << 17), "int8_a16_mm: K >= 2^17 could overflow int32");
+  at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = s.contiguous(), cc = colsum.contiguous();
+  at::Tensor y = at::empty({M, N16}, x.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> xs, r, y2;
+  q.resize(2 * M * K4);
+  xs.resize(2 * M);
+  r.resize(K);
+  y2.resize(2 * M * N16);
+  const uint8_t flip = MTPKIT_VNNI ? 0x80 : 0;
+  const float* xp = xc.data_ptr<float>();
+  for (int64_t m = 0; m < M; m++) {
+    const float* xm = xp + m * K;
+    int8_t* q1 = q.data() + 2 * m * K4;
+    quantize_rows(xm, 1, K, q1, xs.data() + 2 * m, K4, flip);
+    const float s1 = xs[2 * m];
+    // One rounding (fma), whatever the compiler would contract: linear.a16_reference.
+    for (int64_t k = 0; k < K; k++) r[k] = std::fma(-float(int8_t(q1[k] ^ int8_t(flip))), s1, xm[k]);
+    quantize_rows(r.data(), 1, K, q1 + K4, xs.data() + 2 * m + 1, K4, flip);
+  }
+  const int8_t* qp = q.data();
+  const float* xsp = xs.data();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  const int32_t* cp = cc.data_ptr<int32_t>();
+  float* y2p = y2.data();
+  float* yp = y.data_ptr<float>();
+  const int64_t M2 = 2 * M;
+  auto run = [&](int64_t c0, int64_t c1) {
+    over_rows(M2, [&](auto R, int64_t m) {
+      a8_rows<R.value>(qp + m * K4, xsp + m, K4, wp, sp, cp, y2p + m * N16, N16, c0, c1);
+    });
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t n = 16 * c0; n < 16 * c1; n++)
+        yp[m * N16 + n] = y2p[2 * m * N16 + n] + y2p[(2 * m + 1) * N16 + n];
+  };
+  const int nt = team_size();
+  Team crew(nt);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
+    share_blocks(N16 / 16, mtpkit_a8::a8_piece(K4), me, run);
+  }
+#else
+  TORCH_CHECK(false, "int8_a16_mm was built without AVX2/FMA");
+#endif
+  return y;
+}
+
 TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
   m.def("int8_a8_mm(Tensor x, Tensor w, Tensor s, Tensor colsum) -> Tensor");
+  m.def("int8_a16_mm(Tensor x, Tensor w, Tensor s, Tensor colsum) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(mtpkit, CPU, m) { m.impl("int8_a8_mm", &int8_a8_mm); }
+TORCH_LIBRARY_IMPL(mtpkit, CPU, m) {
+  m.impl("int8_a8_mm", &int8_a8_mm);
+  m.impl("int8_a16_mm", &int8_a16_mm);
+}
 
 MTPKIT_AOTI_SHIM(int8_a8_mm,
                  (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, AtenTensorHandle colsum, AtenTensorHandle* ret0),
                  (x, w, s, colsum),
                  int8_a8_mm(arg(x), arg(w), arg(s), arg(colsum)))
+MTPKIT_AOTI_SHIM(int8_a16_mm,
+                 (AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s, AtenTensorHandle colsum, AtenTensorHandle* ret0),
+                 (x, w, s, colsum),
+                 int8_a16_mm(arg(x), arg(w), arg(s), arg(colsum)))
