@@ -71,7 +71,7 @@ def _qwen3_next(moe: bool):
     return Qwen3NextForCausalLM(cfg)
 
 
-def _qwen3_5(vocab_size: int = VOCAB):
+def _qwen3_5(vocab_size: int = VOCAB, layer_types: list[str] | None = None):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(
@@ -79,7 +79,8 @@ def _qwen3_5(vocab_size: int = VOCAB):
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-        layer_types=["linear_attention", "full_attention"] * 2, partial_rotary_factor=0.25,
+        layer_types=layer_types or ["linear_attention", "full_attention"] * 2,
+        partial_rotary_factor=0.25,
     )
     return Qwen3_5ForCausalLM(cfg)
 

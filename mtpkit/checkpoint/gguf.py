@@ -132,6 +132,10 @@ _INT_TYPES = {
 }
 
 
+# Not in every gguf package release's Keys (llama.cpp's own gguf-py has it).
+RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
+
+
 def _key(template: str, arch: str) -> str:
     return template.format(arch=arch)
 
@@ -429,8 +433,14 @@ class GGUFCheckpoint:
             )
         out["linear_conv_kernel_dim"] = md(Keys.SSM.CONV_KERNEL)
         interval = md(Keys.LLM.FULL_ATTENTION_INTERVAL)
+        recurrent = md(RECURRENT_LAYERS)
         if interval:
             out["full_attention_interval"] = interval
+        if recurrent is not None and len(recurrent) >= self.n_layer:
+            # The per-layer list outranks the interval, as in llama.cpp's loaders.
+            out["layer_types"] = ["linear_attention" if r else "full_attention"
+                                  for r in list(recurrent)[: self.n_layer]]
+        elif interval:
             out["layer_types"] = [
                 "full_attention" if (i + 1) % interval == 0 else "linear_attention"
                 for i in range(self.n_layer)
@@ -845,6 +855,13 @@ def _write_metadata(
         interval = _full_attention_interval(cfg)
         if interval is not None:
             w.add_full_attention_interval(interval)
+        types = cfg.get("layer_types")
+        if types:
+            # Which layers are linear-attention ones, the MTP layers after them (not): what
+            # llama.cpp's converter writes and its qwen35/qwen3next loaders read before the
+            # interval (src/models/qwen35.cpp), so any layout loads, periodic or not.
+            w.add_array(_key(RECURRENT_LAYERS, arch),
+                        [t == "linear_attention" for t in types] + [False] * n_mtp)
         for key, add in (
             ("num_experts", w.add_expert_count),
             ("num_experts_per_tok", w.add_expert_used_count),
@@ -957,7 +974,9 @@ def file_types() -> list[str]:
 
 
 def _full_attention_interval(cfg: dict) -> int | None:
-    """GGUF stores the hybrid layout as an interval; Qwen3.5 configs give ``layer_types``."""
+    """The hybrid layout as an interval (what loaders without the per-layer list read):
+    the config's, else that of ``layer_types`` where it has one (None where it has not;
+    the per-layer list then describes it alone)."""
     if cfg.get("full_attention_interval") is not None:
         return int(cfg["full_attention_interval"])
     types = cfg.get("layer_types")
@@ -965,8 +984,7 @@ def _full_attention_interval(cfg: dict) -> int | None:
         return None
     n = types.index("full_attention") + 1
     if any((t == "full_attention") != ((i + 1) % n == 0) for i, t in enumerate(types)):
-        raise ValueError(f"layer_types {types} has no fixed full-attention interval, which is "
-                         "the only hybrid layout GGUF can describe")
+        return None
     return n
 
 
