@@ -284,10 +284,42 @@ def test_quantize_ignore_list_matches_what_is_float(moe_checkpoints, tmp_path, f
            "quantized-but-ignored", "ignore-experts-module-name", "quantized-head-not-targeted",
            "ignore-matches-nothing", "ignore-regex-no-match"}
     assert not codes & bad, rep.to_json()
-    # DeepSeek/GLM MTP loaders read experts one by one only: stacked ones cannot load.
-    stacked_ds = layout == "stacked" and family in ("glm4_moe", "deepseek_v3")
-    assert ("mtp-experts-stacked-unloadable" in codes) == stacked_ds
-    assert rep.facts["vllm_versions_ok"]["0.30+"] is not stacked_ds
+    # DeepSeek/GLM MTP loaders read experts one by one only: quantize writes the MTP
+    # layer's experts so whatever the source stored, and the draft loads.
+    assert "mtp-experts-stacked-unloadable" not in codes
+    assert rep.facts["vllm_versions_ok"]["0.30+"]
+    if layout == "stacked" and family in ("glm4_moe", "deepseek_v3"):
+        with open(out / "model.safetensors.index.json") as f:
+            names = set(json.load(f)["weight_map"])
+        mtp = {n for n in names if n.startswith("model.layers.3.mlp.experts.")}
+        assert mtp and not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in mtp)
+        assert any(n.startswith("model.layers.0.") or n.startswith("model.layers.1.")
+                   for n in names if n.endswith(".mlp.experts.gate_up_proj"))  # trunk: as stored
+
+
+def test_unstacked_mtp_experts_are_the_stacked_ones(moe_checkpoints, tmp_path):
+    """--mtp keep writes a stacked DeepSeek MTP layer's experts one by one with the very
+    values of the per-expert source; --mtp same quantizes each of them."""
+    per, stacked = (moe_checkpoints("deepseek_v3", lay) for lay in ("per-expert", "stacked"))
+    out = tmp_path / "keep"
+    quantize_checkpoint(stacked, out, Scheme("w8a16"), mtp="keep")
+
+    def tensors(folder):
+        got = {}
+        for f in folder.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as h:
+                got.update({k: h.get_tensor(k) for k in h.keys()
+                            if k.startswith("model.layers.3.mlp.experts.")})
+        return got
+
+    want, have = tensors(per), tensors(out)
+    assert want.keys() == have.keys() and want
+    assert all(torch.equal(want[k], have[k]) for k in want)
+    same = tmp_path / "same"
+    quantize_checkpoint(stacked, same, Scheme("w8a16"), mtp="same")
+    assert stored_quantized(same, {"model.layers.3.mlp.experts.0.gate_proj",
+                                   "model.layers.3.mlp.experts.1.down_proj"})
+    assert_vllm_loads(same, "deepseek_v3")
 
 
 def test_the_check_fails_on_the_old_ignore_list(moe_checkpoints, tmp_path):

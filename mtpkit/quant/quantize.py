@@ -113,11 +113,13 @@ def quantize_checkpoint(
     mtp_scheme = {"keep": None, "same": scheme, "w8a16": Scheme("w8a16")}[mtp]
     head_scheme = {"keep": None, "same": scheme, "w8a16": Scheme("w8a16")}[lm_head]
     # Planned before any work (smoothing, calibration, output): shapes decide it.
-    plan, fitted = _plan(ckpt, layout, scheme, mtp_scheme, head_scheme, fit_groups)
+    view = _unstack_mtp_experts(ckpt, layout)
+    plan, fitted = _plan(view, layout, scheme, mtp_scheme, head_scheme, fit_groups)
     if isinstance(ckpt, _UntiedHead) and plan.get("lm_head") is None:
         # The scheme cannot take the lm_head's shape: it stays tied, not copied.
-        ckpt = ckpt.ckpt
+        view = _unstack_mtp_experts(ckpt.ckpt, layout)
         plan.pop("lm_head", None)
+    ckpt = view
     if smooth is not None:
         ckpt = _smoothed(src, head, ckpt, layout, smooth, calib_data, calib_tokens, log)
     report = QuantizeReport(dst)
@@ -447,6 +449,82 @@ def _quant_config(scheme, groups: dict, ignore: list[str], layout,
         "ignore": ignore,
         "quantization_status": "compressed",
     }
+
+
+def _unstack_mtp_experts(ckpt, layout: _Layout):
+    """``ckpt`` with the DeepSeek/GLM MTP layers' stacked experts seen one by one (itself
+    where it has none): vLLM's MTP weight loaders for those families map only per-expert
+    names (experts.E.gate_proj/up_proj/down_proj.weight), so a checkpoint written with the
+    stacked tensors transformers saves cannot load its draft (doctor:
+    mtp-experts-stacked-unloadable). The trunk's experts stay as stored."""
+    from ..checkpoint.runtime_names import _NEXTN
+
+    if layout.raw_model_type not in _NEXTN and layout.model_type not in _NEXTN:
+        return ckpt
+    split: dict[str, tuple[str, str, int | None]] = {}  # per-expert name -> (stacked, part, e)
+    names = []
+    for n in ckpt.tensor_names():
+        base, _, last = n.rpartition(".")
+        if base.endswith(".mlp.experts") and last in ("gate_up_proj", "down_proj"):
+            probe = layout.linear(f"{base}.0.{'down_proj' if last == 'down_proj' else 'gate_proj'}"
+                                  ".weight")
+            if probe is not None and probe[1]:
+                shape = _shape(ckpt, n)
+                parts = ("gate_proj", "up_proj") if last == "gate_up_proj" else ("down_proj",)
+                for e in range(shape[0]):
+                    for part in parts:
+                        name = f"{base}.{e}.{part}.weight"
+                        split[name] = (n, part, e)
+                        names.append(name)
+                continue
+        names.append(n)
+    return _UnstackedExperts(ckpt, names, split) if split else ckpt
+
+
+def _shape(ckpt, name: str) -> tuple[int, ...]:
+    if hasattr(ckpt, "tensor_shape"):
+        return tuple(ckpt.tensor_shape(name))
+    return tuple(ckpt.get_tensor(name).shape)
+
+
+class _UnstackedExperts:
+    """A checkpoint view whose listed stacked experts read as per-expert 2-D tensors:
+    gate_up_proj [E, 2I, H] holds each expert's gate rows, then its up rows."""
+
+    def __init__(self, ckpt, names: list[str], split: dict) -> None:
+        self.ckpt, self._names, self._split = ckpt, names, split
+        self._last: tuple[str, torch.Tensor] | None = None  # one stacked tensor, read once
+
+    def tensor_names(self) -> list[str]:
+        """Every tensor, the split experts one by one."""
+        return list(self._names)
+
+    def _stacked(self, name: str) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self.ckpt.get_tensor(name))
+        return self._last[1]
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """A tensor; a split expert's part is a copy of its rows of the stacked one."""
+        if name not in self._split:
+            return self.ckpt.get_tensor(name)
+        stacked, part, e = self._split[name]
+        t = self._stacked(stacked)[e]
+        if part != "down_proj":
+            half = t.shape[0] // 2
+            t = t[:half] if part == "gate_proj" else t[half:]
+        return t.contiguous().clone()
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Shape without reading the tensor (a split part: from the stacked shape)."""
+        if name not in self._split:
+            return _shape(self.ckpt, name)
+        stacked, part, _ = self._split[name]
+        _, rows, cols = _shape(self.ckpt, stacked)
+        return (rows // 2 if part != "down_proj" else rows, cols)
+
+    def __getattr__(self, name):
+        return getattr(self.ckpt, name)
 
 
 class _UntiedHead:
