@@ -122,7 +122,7 @@ def load(model=None, head=None, **options) -> Model:
         raise TypeError(f"load() got unknown option(s) {', '.join(unknown)}; it takes "
                         f"{', '.join(LOAD_OPTIONS)}")
     opts = {**LOAD_OPTIONS, **options}
-    from .builtin import BUILTIN_NAMES
+    from .builtin import BUILTIN_NAMES, builtin_name
 
     if model not in BUILTIN_NAMES:  # "builtin", "builtin-f16": the built-in model's weights
         model = _path(model, "checkpoint folder or .gguf file")
@@ -153,8 +153,6 @@ def load(model=None, head=None, **options) -> Model:
         )
     if session.tokenizer is None:
         raise LoadError(f"{session.name}: no tokenizer found; generating text needs one")
-    from .builtin import builtin_name
-
     return Model(session, {**opts, "compile": compile_mode},
                  builtin=builtin_name(model) is not None)
 

@@ -80,6 +80,16 @@ def builtin_trunk(weights: str = "float16") -> Path:
     return int8
 
 
+def source_trunk(model) -> str | Path:
+    """The trunk a tool that trains on or writes from it starts from: no --model gives the
+    built-in float16 weights (the source), a built-in name the weights it names, anything
+    else is as given."""
+    if model is None:
+        return builtin_trunk("float16")
+    weights = builtin_name(model)
+    return model if weights is None else builtin_trunk(weights)
+
+
 def resolve_model(model, head=None) -> tuple[str | Path, str | Path | None]:
     """(checkpoint, head) for a --model value and --head: a built-in name (or none) gives
     that trunk and, unless a head is given, the shipped head; anything else is as given."""

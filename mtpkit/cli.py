@@ -254,7 +254,7 @@ def _cmd_calibrate(a) -> int:
 
     if a.init == "head" and a.head is None and _is_builtin(a.model):
         a.head = _builtin_head_or_none()
-    model = str(_builtin_trunk(a.model))
+    model = str(_source_trunk(a.model))
     from .envs import get
 
     distributed = get("WORLD_SIZE") > 1
@@ -313,7 +313,7 @@ def _cmd_export_head(a) -> int:
     head = a.head
     if _is_builtin(a.model) and head is None:
         head = _builtin_head_or_none()
-    model = str(_builtin_trunk(a.model))
+    model = str(_source_trunk(a.model))
     out = export_head(model, head, a.out, a.format, a.dtype)
     print(f"wrote {out} (model_type mimo, one MTP layer). Serve it with vLLM:\n"
           f"  vllm serve {out} --speculative-config "
@@ -321,15 +321,10 @@ def _cmd_export_head(a) -> int:
     return 0
 
 
-def _builtin_trunk(model=None):
-    # Tools that train on or write from the trunk start from the float16 source unless a
-    # built-in name says otherwise; other --model values are as given.
-    from .builtin import builtin_name, builtin_trunk
+def _source_trunk(model):
+    from .builtin import source_trunk
 
-    if model is None:
-        return builtin_trunk()
-    weights = builtin_name(model)
-    return model if weights is None else builtin_trunk(weights)
+    return source_trunk(model)
 
 
 def _is_builtin(model) -> bool:

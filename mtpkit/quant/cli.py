@@ -73,9 +73,9 @@ def run(a) -> int:
     from ..builtin import builtin_name
 
     if builtin_name(model) is not None:
-        from ..builtin import builtin_head, builtin_trunk
+        from ..builtin import builtin_head, source_trunk
 
-        model = str(builtin_trunk("float16" if model is None else builtin_name(model)))
+        model = str(source_trunk(model))
         # A GGUF keeps only heads llama.cpp can load as nextn layers; the built-in head is
         # a Llama-trunk head, which llama.cpp has no MTP loader for.
         if a.head is None and a.format != "gguf":

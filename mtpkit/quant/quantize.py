@@ -482,6 +482,7 @@ def _unstack_mtp_experts(ckpt, layout: _Layout):
 
 
 def _shape(ckpt, name: str) -> tuple[int, ...]:
+    """A tensor's shape, without reading it where the checkpoint can say."""
     if hasattr(ckpt, "tensor_shape"):
         return tuple(ckpt.tensor_shape(name))
     return tuple(ckpt.get_tensor(name).shape)
@@ -553,9 +554,7 @@ class _UntiedHead:
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Shape without reading the tensor."""
-        if hasattr(self.ckpt, "tensor_shape"):
-            return tuple(self.ckpt.tensor_shape(self._src(name)))
-        return tuple(self.ckpt.get_tensor(self._src(name)).shape)
+        return _shape(self.ckpt, self._src(name))
 
     def __getattr__(self, name):
         return getattr(self.ckpt, name)

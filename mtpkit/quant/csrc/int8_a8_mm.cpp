@@ -51,18 +51,51 @@ using mtpkit_team::team_size;
 
 #endif
 
-static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
-                             const at::Tensor& colsum) {
+// x float32 [M, K] against pack_a8's operands (packed [N16, K4], scale and colsum [N16]).
+static void check_a8_args(const char* op, const at::Tensor& x, const at::Tensor& w,
+                          const at::Tensor& s, const at::Tensor& colsum) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && s.dim() == 1 && colsum.dim() == 1,
-              "int8_a8_mm: x [M,K], packed [N16,K4], scale [N16], colsum [N16]");
+              op, ": x [M,K], packed [N16,K4], scale [N16], colsum [N16]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar &&
                   s.scalar_type() == at::kFloat && colsum.scalar_type() == at::kInt,
-              "int8_a8_mm: x float32, packed int8, scale float32, colsum int32");
-  const int64_t M = x.size(0), K = x.size(1), N16 = w.size(0), K4 = w.size(1);
+              op, ": x float32, packed int8, scale float32, colsum int32");
+  const int64_t K = x.size(1), N16 = w.size(0), K4 = w.size(1);
   TORCH_CHECK(N16 % 16 == 0 && K4 == (K + 3) / 4 * 4 && s.size(0) == N16 && colsum.size(0) == N16,
-              "int8_a8_mm: shapes differ (packed [N16,K4] with N16 a multiple of 16 and K4 = K "
+              op, ": shapes differ (packed [N16,K4] with N16 a multiple of 16 and K4 = K "
               "rounded up to 4, scale and colsum [N16])");
-  TORCH_CHECK(K < (1 << 17), "int8_a8_mm: K >= 2^17 could overflow int32");
+  TORCH_CHECK(K < (1 << 17), op, ": K >= 2^17 could overflow int32");
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// `rows` quantized rows (q, xs; K4 bytes apart) against every column block, the blocks
+// claimed by the thread team (team.h) ~16 KB at least: the lm_head (a fifth of a small
+// model's step) in static halves left one thread waiting for the other where their streams
+// ran unevenly, as the fused layers' GEMMs did. after(c0, c1) runs on each claimed range
+// once its rows are done.
+template <class After>
+static void a8_team(const int8_t* q, const float* xs, int64_t rows, int64_t K4, const int8_t* w,
+                    const float* s, const int32_t* colsum, float* y, int64_t N16,
+                    const After& after) {
+  auto run = [&](int64_t c0, int64_t c1) {
+    over_rows(rows, [&](auto R, int64_t m) {
+      a8_rows<R.value>(q + m * K4, xs + m, K4, w, s, colsum, y + m * N16, N16, c0, c1);
+    });
+    after(c0, c1);
+  };
+  const int nt = team_size();
+  Team crew(nt);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
+    share_blocks(N16 / 16, mtpkit_a8::a8_piece(K4), me, run);
+  }
+}
+#endif
+
+static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                             const at::Tensor& colsum) {
+  check_a8_args("int8_a8_mm", x, w, s, colsum);
+  const int64_t M = x.size(0), K = x.size(1), N16 = w.size(0), K4 = w.size(1);
   at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = s.contiguous(), cc = colsum.contiguous();
   at::Tensor y = at::empty({M, N16}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
@@ -75,33 +108,13 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
   // Rows K4 apart; the padding's bytes meet zero codes, so their values do not matter.
   // VNNI takes q + 128 as unsigned bytes.
   quantize_rows(xc.data_ptr<float>(), M, K, q.data(), xs.data(), K4, MTPKIT_VNNI ? 0x80 : 0);
-  const int8_t* qp = q.data();
-  const float* xsp = xs.data();
-  const int8_t* wp = wc.data_ptr<int8_t>();
-  const float* sp = sc.data_ptr<float>();
-  const int32_t* cp = cc.data_ptr<int32_t>();
-  float* yp = y.data_ptr<float>();
-  auto run = [&](int64_t c0, int64_t c1) {
-    over_rows(M, [&](auto R, int64_t m) {
-      a8_rows<R.value>(qp + m * K4, xsp + m, K4, wp, sp, cp, yp + m * N16, N16, c0, c1);
-    });
-  };
-  // Column blocks claimed by the team (team.h), ~16 KB pieces at least: the lm_head (a
-  // fifth of a small model's step) in static halves left one thread waiting for the other
-  // where their streams ran unevenly, as the fused layers' GEMMs did.
-  const int nt = team_size();
-  Team crew(nt);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
-    share_blocks(N16 / 16, mtpkit_a8::a8_piece(K4), me, run);
-  }
+  a8_team(q.data(), xs.data(), M, K4, wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
+          cc.data_ptr<int32_t>(), y.data_ptr<float>(), N16, [](int64_t, int64_t) {});
 #else
   TORCH_CHECK(false, "int8_a8_mm was built without AVX2/FMA");
 #endif
   return y;
 }
-
 
 // mtpkit::int8_a16_mm(x, packed, scale, colsum) -> y: int8 weights with float activations
 // (W8A16) through the W8A8 loop. Each row of x goes in as two int8 rows: q1 = its per-token
@@ -115,16 +128,8 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
 // row's bits do not depend on the other rows, the threads or the order.
 static at::Tensor int8_a16_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
                               const at::Tensor& colsum) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && s.dim() == 1 && colsum.dim() == 1,
-              "int8_a16_mm: x [M,K], packed [N16,K4], scale [N16], colsum [N16]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar &&
-                  s.scalar_type() == at::kFloat && colsum.scalar_type() == at::kInt,
-              "int8_a16_mm: x float32, packed int8, scale float32, colsum int32");
+  check_a8_args("int8_a16_mm", x, w, s, colsum);
   const int64_t M = x.size(0), K = x.size(1), N16 = w.size(0), K4 = w.size(1);
-  TORCH_CHECK(N16 % 16 == 0 && K4 == (K + 3) / 4 * 4 && s.size(0) == N16 && colsum.size(0) == N16,
-              "int8_a16_mm: shapes differ (packed [N16,K4] with N16 a multiple of 16 and K4 = K "
-              "rounded up to 4, scale and colsum [N16])");
-  TORCH_CHECK(K < (1 << 17), "int8_a16_mm: K >= 2^17 could overflow int32");
   at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = s.contiguous(), cc = colsum.contiguous();
   at::Tensor y = at::empty({M, N16}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
@@ -145,29 +150,15 @@ static at::Tensor int8_a16_mm(const at::Tensor& x, const at::Tensor& w, const at
     for (int64_t k = 0; k < K; k++) r[k] = std::fma(-float(int8_t(q1[k] ^ int8_t(flip))), s1, xm[k]);
     quantize_rows(r.data(), 1, K, q1 + K4, xs.data() + 2 * m + 1, K4, flip);
   }
-  const int8_t* qp = q.data();
-  const float* xsp = xs.data();
-  const int8_t* wp = wc.data_ptr<int8_t>();
-  const float* sp = sc.data_ptr<float>();
-  const int32_t* cp = cc.data_ptr<int32_t>();
-  float* y2p = y2.data();
+  const float* y2p = y2.data();
   float* yp = y.data_ptr<float>();
-  const int64_t M2 = 2 * M;
-  auto run = [&](int64_t c0, int64_t c1) {
-    over_rows(M2, [&](auto R, int64_t m) {
-      a8_rows<R.value>(qp + m * K4, xsp + m, K4, wp, sp, cp, y2p + m * N16, N16, c0, c1);
-    });
-    for (int64_t m = 0; m < M; m++)
-      for (int64_t n = 16 * c0; n < 16 * c1; n++)
-        yp[m * N16 + n] = y2p[2 * m * N16 + n] + y2p[(2 * m + 1) * N16 + n];
-  };
-  const int nt = team_size();
-  Team crew(nt);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
-    share_blocks(N16 / 16, mtpkit_a8::a8_piece(K4), me, run);
-  }
+  // Each row's two partial products summed on the columns just computed (still in cache).
+  a8_team(q.data(), xs.data(), 2 * M, K4, wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
+          cc.data_ptr<int32_t>(), y2.data(), N16, [&](int64_t c0, int64_t c1) {
+            for (int64_t m = 0; m < M; m++)
+              for (int64_t n = 16 * c0; n < 16 * c1; n++)
+                yp[m * N16 + n] = y2p[2 * m * N16 + n] + y2p[(2 * m + 1) * N16 + n];
+          });
 #else
   TORCH_CHECK(false, "int8_a16_mm was built without AVX2/FMA");
 #endif
