@@ -34,6 +34,11 @@ def _reference_block(ref, tensors: dict, prefix: str, n: int):
         # GLM-4.7-Flash lists trunk layers only; its MTP layer has experts, as released.
         config = copy.deepcopy(config)
         config.mlp_layer_types = list(kinds) + ["sparse"] * (n + 1 - len(kinds))
+    indexers = getattr(config, "indexer_types", None)
+    if indexers is not None and len(indexers) <= n:
+        # GLM-5's MTP layer has its own indexer (vLLM builds one whatever the schedule says).
+        config = copy.deepcopy(config)
+        config.indexer_types = list(indexers) + ["full"] * (n + 1 - len(indexers))
     layer = type(ref.model.layers[-1])(config, layer_idx=n).eval()
     state = {}
     experts: dict[int, dict[str, torch.Tensor]] = {}
@@ -105,7 +110,8 @@ def test_mtp_layer_matches_plain_formula(name, checkpoint_factory):
             pos = torch.arange(x.shape[1])[None]
             mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
             cos_sin = ref.model.rotary_emb(x, pos)
-            return block(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+            out = block(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+            return out[0] if isinstance(out, tuple) else out  # GLM-5's: (out, top-k)
 
         def head(y):
             return F.linear(_rms(y, tensors[prefix + "shared_head.norm.weight"], eps),
@@ -342,3 +348,130 @@ def test_fp8_weight_without_any_scale_is_refused(checkpoint_factory, tmp_path):
             warnings.catch_warnings():
         warnings.simplefilter("ignore")
         load_model(tmp_path, tokenizer=False)
+
+
+def first_draft(model, ids: torch.Tensor) -> torch.Tensor:
+    """The MTP head's logits for every position of ids (no cache)."""
+    hidden = model(ids).hidden[:, :-1]
+    return model.logits(model.mtp_forward(ids[:, 1:], hidden, 0, 0, None).hidden)
+
+
+def test_dsa_selection_decides_logits(checkpoint_factory):
+    """GLM-5's indexer: attending every key instead of the top index_topk moves the logits
+    (so the table's comparisons with transformers see the selection), while a short prefill
+    (every key selected, no mask built) continued token by token past index_topk matches
+    transformers; shared layers hold no indexer, the MTP layer its own."""
+    from tiny import DSA_TOPK
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint_factory("glm_moe_dsa")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()
+        model = load_model(path, tokenizer=False).model
+    kinds = ref.config.indexer_types
+    assert "shared" in kinds and kinds[0] == "full"
+    names = {*load_file(path / "model.safetensors"), *load_file(path / "model_mtp.safetensors")}
+    for i, kind in enumerate([*kinds, "full"]):  # the MTP layer last
+        own = any(k.startswith(f"model.layers.{i}.self_attn.indexer.") for k in names)
+        assert own == (kind == "full")
+    layers = [*model.model.layers, *model.mtp.layers]
+    assert [layer.self_attn.indexer is not None for layer in layers] == \
+        [k == "full" for k in kinds] + [True]
+    assert model.mtp.layers[0].self_attn.indexer.wq_b.weight.shape[0] == 8 * 16
+
+    ids = torch.randint(0, VOCAB, (1, 3 * DSA_TOPK), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref(ids).logits
+        cache = model.new_cache(64)
+        steps = [model.logits(model(ids[:, : DSA_TOPK - 4], cache).hidden)]
+        for t in range(DSA_TOPK - 4, ids.shape[1]):
+            steps.append(model.logits(model(ids[:, t : t + 1], cache).hidden))
+        stepped = torch.cat(steps, 1)
+        mtp_sparse = first_draft(model, ids)
+        for layer in layers:
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.topk = 10**9
+        dense = model.logits(model(ids).hidden)
+        mtp_dense = first_draft(model, ids)
+    assert (want - stepped).abs().max() < 1e-4
+    # Up to index_topk keys everything is selected; past it, the selection matters.
+    assert (want - dense)[:, :DSA_TOPK].abs().max() < 1e-4
+    assert (want - dense)[:, DSA_TOPK:].abs().max() > 0.1
+    assert (mtp_sparse - mtp_dense)[:, DSA_TOPK:].abs().max() > 0.1
+
+
+@pytest.mark.parametrize("keys", [
+    {},
+    {"index_topk_freq": 4, "index_skip_topk_offset": 3},
+    {"index_topk_freq": 2, "index_skip_topk_offset": 0},
+    {"index_topk_pattern": "FSSFSF"},
+    {"indexer_types": ["full", "full", "shared", "full", "shared", "shared"]},
+])
+def test_dsa_indexer_schedule_as_transformers(keys):
+    """indexer_types as transformers' GlmMoeDsaConfig derives it from the config's keys."""
+    from transformers import GlmMoeDsaConfig
+
+    from mtpkit.models.glm_moe_dsa import indexer_schedule
+
+    want = GlmMoeDsaConfig(num_hidden_layers=6, **keys).indexer_types
+    assert indexer_schedule(keys, 6) == want
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"indexer_types": ["shared", "full"]}, "indexer_types\\[0\\] must be 'full'"),
+    ({"indexer_types": ["full"]}, "for each of the 2 layers"),
+    ({"index_topk_pattern": "FX"}, "only 'F' and 'S'"),
+    ({"indexer_rope_interleave": False}, "indexer_rope_interleave=False is not supported"),
+    ({"rope_interleave": False}, "rope_interleave=False is not supported"),
+    ({"q_lora_rank": None}, "q_lora_rank is required"),
+    ({"index_head_dim": 4}, "smaller than qk_rope_head_dim"),
+    ({"index_topk": 0}, "index_topk=0 must be positive"),
+])
+def test_dsa_config_errors(change, match):
+    """Configs GLM-5's model cannot run exactly are refused with the reason."""
+    from mtpkit.models.config import ConfigError
+    from mtpkit.models.glm_moe_dsa import GlmMoeDsaConfig
+
+    d = {"model_type": "glm_moe_dsa", "vocab_size": 96, "hidden_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "kv_lora_rank": 32,
+         "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+         "intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "index_head_dim": 16, "index_n_heads": 2}
+    cfg = GlmMoeDsaConfig.from_hf_config(d)
+    assert cfg.indexer_types == ["full", "full"] and cfg.mlp_layer_types == ["dense", "dense"]
+    with pytest.raises(ConfigError, match=match):
+        GlmMoeDsaConfig.from_hf_config({**d, **change})
+
+
+def test_dsa_weights_proj_stays_float32(checkpoint_factory):
+    """The indexer's head weights stay float32 in a bfloat16 model, as transformers keeps
+    them, and bfloat16 decoding still runs."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(checkpoint_factory("glm_moe_dsa"), dtype="bfloat16",
+                           tokenizer=False).model
+    indexer = model.model.layers[0].self_attn.indexer
+    assert indexer.weights_proj.weight.dtype == torch.float32
+    assert indexer.wq_b.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.isfinite(model.logits(model(ids).hidden)).all()
+
+
+def test_doctor_notes_vllm_index_share(checkpoint_factory, tmp_path):
+    """A GLM-5 config asking vLLM to reuse the MTP layer's first key selection is reported
+    (mtpkit reruns the indexer at each draft step); without the flag nothing is said."""
+    import shutil
+
+    from mtpkit.doctor import diagnose
+
+    src = checkpoint_factory("glm_moe_dsa")
+    assert "dsa-mtp-index-share" not in diagnose(src).codes()
+    shutil.copytree(src, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["index_share_for_mtp_iteration"] = True
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    rep = diagnose(tmp_path / "m")
+    found = [f for f in rep.findings if f.code == "dsa-mtp-index-share"]
+    assert len(found) == 1 and found[0].severity == "info" and rep.exit_code == 0

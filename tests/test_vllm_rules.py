@@ -448,6 +448,30 @@ def test_text_only_qwen35_prefix_map():
                          config=cfg).value == "ignored"
 
 
+def test_dsa_indexer_runtime_names():
+    """GLM-5's indexer (trunk and MTP layer alike): wq_b is a quantizable linear, wk and
+    weights_proj are vLLM's unquantized wk_weights_proj (SGLang: weights_proj alone)."""
+    from mtpkit.checkpoint.runtime_names import describe
+
+    cfg = {"model_type": "glm_moe_dsa", "num_hidden_layers": 78}
+    for layer, mtp in ((0, False), (78, True)):
+        pre = f"model.layers.{layer}.self_attn.indexer"
+        q = describe(f"{pre}.wq_b", "glm_moe_dsa", config=cfg)
+        assert (q.name, q.quantizable, q.mtp) == (f"{pre}.wq_b", True, mtp)
+        assert ignore_status(f"{pre}.wq_b", [], "glm_moe_dsa", config=cfg).value == "quantized"
+        for leaf in ("wk", "weights_proj"):
+            rt = describe(f"{pre}.{leaf}", "glm_moe_dsa", config=cfg)
+            assert (rt.name, rt.quantizable, rt.mtp) == (f"{pre}.wk_weights_proj", False, mtp)
+            assert ignore_status(f"{pre}.{leaf}", [], "glm_moe_dsa",
+                                 config=cfg).value == "not-quantizable"
+        assert not describe(f"{pre}.k_norm", "glm_moe_dsa", config=cfg).quantizable
+    pre = "model.layers.78.self_attn.indexer"
+    assert describe(f"{pre}.wk", "glm_moe_dsa", "sglang", config=cfg).quantizable
+    assert not describe(f"{pre}.weights_proj", "glm_moe_dsa", "sglang", config=cfg).quantizable
+    # Another MLA family's module of that name is not touched.
+    assert describe(f"{pre}.wk", "glm4_moe_lite", config=cfg).name == f"{pre}.wk"
+
+
 def test_rules_listed():
     assert any("exact fused name" in r for r in VllmRules.of("0.29").applied())
     assert any("re: included" in r for r in VllmRules.of("0.30.1").applied())

@@ -21,6 +21,7 @@ from mtpkit.checkpoint import open_checkpoint
 from mtpkit.engine.loader import build_model, hf_config_of, load_model
 
 VOCAB = 96
+DSA_TOPK = 12  # glm_moe_dsa's index_topk in the tiny checkpoints
 
 
 def _llama(**kw):
@@ -166,6 +167,29 @@ def _glm4_moe_lite():
     return model
 
 
+def _glm_moe_dsa():
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    # index_topk well below the tests' lengths (40 tokens), so that the sparse selection
+    # decides what most queries attend; a full, two shared (one after another) and a full
+    # indexer layer, so that selections are handed on and replaced.
+    cfg = GlmMoeDsaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1,
+        n_routed_experts=8, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+        norm_topk_prob=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+        index_topk=DSA_TOPK, index_head_dim=16, index_n_heads=8,
+        indexer_types=["full", "shared", "shared", "full"],
+    )
+    model = GlmMoeDsaForCausalLM(cfg)
+    _randomize_router_bias(model)
+    return model
+
+
 def _kimi_k25():
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
@@ -251,6 +275,8 @@ FAMILIES = [
     Family("deepseek_v3_plain_q", lambda: _deepseek_v3(False), mtp_layout="deepseek",
            adjust=_soften_mla_queries),
     Family("glm4_moe_lite", _glm4_moe_lite, mtp_layout="deepseek", adjust=_soften_mla_queries),
+    # GLM-5: the same trunk with DeepSeek Sparse Attention (indexers, shared selections).
+    Family("glm_moe_dsa", _glm_moe_dsa, mtp_layout="deepseek", adjust=_soften_mla_queries),
     # A DeepSeek-V3 text model in a vision-language wrapper, in the release's names.
     Family("kimi_k25", _kimi_k25, mtp_layout="deepseek", adjust=_soften_mla_queries,
            rewrite=_kimi_release_layout, text_prefix="language_model.model."),

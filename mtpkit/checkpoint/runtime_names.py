@@ -34,7 +34,11 @@ mappers) and vLLM's compressed-tensors ignore matching:
   later, int weight-only);
 - modules vLLM builds as plain ``nn.Linear``, routers (``GateLinear``, no quantization
   config), convolutions are never quantized: DeepSeek/GLM ``eh_proj``, MiMo ``input_proj``,
-  ``mlp.gate``, ``shared_expert_gate``, a vision ``patch_embed``.
+  ``mlp.gate``, ``shared_expert_gate``, a vision ``patch_embed``;
+- DeepSeek Sparse Attention (``glm_moe_dsa``, ``deepseek_v32``, trunk and MTP layer alike):
+  the indexer's ``wq_b`` is a quantizable linear under ``self_attn.indexer``; its ``wk`` and
+  ``weights_proj`` are built as one ``self_attn.indexer.wk_weights_proj`` without a
+  quantization config (SGLang: ``weights_proj`` only), ``k_norm`` is a LayerNorm.
 
 The version-dependent rules are in ``VllmRules``; docs/doctor.md ("What vLLM loads") names
 the vLLM file and function each rule was read from.
@@ -190,6 +194,8 @@ _QWEN35 = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
 # MLA trunks: q_a_proj + kv_a_proj_with_mqa fused (DeepseekV2ForCausalLM and its kin).
 _MLA = {"deepseek_v3", "deepseek_v2", "deepseek_v32", "kimi_k2", "glm4_moe_lite", "glm_moe_dsa"}
 _DEEPSEEK = _MLA  # kept for callers that import the old name
+# DeepSeek Sparse Attention: every indexer layer (and the MTP layer) has self_attn.indexer.*.
+_DSA = {"deepseek_v32", "glm_moe_dsa"}
 _GLM = {"glm4_moe"}
 # model_type -> the MTP draft class vLLM builds (config/speculative.py, hf_config_override);
 # deepseek_v2 and kimi_k2 have none there: their MTP tensors are never drafted with.
@@ -372,6 +378,15 @@ def describe(
         name = _apply_prefixes(name, _prefix_map(mt, config, rules))
         if name == "lm_head" and _prefix_map(mt, config, rules) is _VLM_PREFIXES:
             name = "language_model.lm_head"
+
+    if mt in _DSA and (m := re.match(r"(.+\.indexer)\.(wk|weights_proj)$", name)):
+        # The indexer's weights_proj is built without a quantization config by both engines;
+        # vLLM also fuses wk into it (wk_weights_proj), so wk is never quantized there either.
+        if engine == "vllm":
+            return RuntimeModule(f"{m[1]}.wk_weights_proj", (), False, mtp, fused=True,
+                                 kind="never")
+        if m[2] == "weights_proj":
+            return RuntimeModule(name, (), False, mtp, kind="never")
 
     kind = _leaf_kind(name)
     if kind != "linear":

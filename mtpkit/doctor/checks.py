@@ -115,6 +115,7 @@ def _hf_checks(path: Path, engines: list[str], vllm_version=None) -> Report:
     rep.facts.update({"mtp_layers_stored": n_mtp, "mtp_config": f"{key}={declared}",
                       "quant_method": lay.quant_config.get("quant_method", "none")})
     _check_presence(rep, lay, mtp_names, n_mtp, key, declared, engines)
+    _check_dsa_head(rep, lay, mtp_names)
     _check_index(rep, lay, engines)
     model = _meta_model(rep, lay, max(n_mtp, 1))
     if model is not None:
@@ -198,6 +199,23 @@ def _check_presence(rep, lay: HFLayout, mtp_names, n_mtp, key, declared, engines
                 "mtp.embed_tokens is stored but mtp_use_dedicated_embeddings is not true",
                 "the head's own embedding is ignored; the trunk's is used instead",
                 fix_config_cmd(path), subject="mtp_use_dedicated_embeddings"))
+
+
+def _check_dsa_head(rep, lay: HFLayout, mtp_names) -> None:
+    """GLM-5's MTP layer where mtpkit and vLLM select its keys differently."""
+    cfg = lay.config
+    if lay.text_model_type != "glm_moe_dsa" or not mtp_names \
+            or not cfg.get("index_share_for_mtp_iteration"):
+        return
+    topk = cfg.get("index_topk", 2048)
+    rep.add(Finding(
+        "dsa-mtp-index-share", "info",
+        "index_share_for_mtp_iteration is true: vLLM's chained draft steps reuse the first "
+        f"step's top-{topk} key selection, mtpkit runs the MTP layer's indexer at every step",
+        f"past index_topk={topk} tokens of context the drafts from the second step on can "
+        "differ between the two, so acceptance measured with mtpkit may not carry over to "
+        "vLLM; generated text is unaffected (drafts are verified)",
+        "", ["mtpkit"], "index_share_for_mtp_iteration"))
 
 
 def _check_index(rep, lay: HFLayout, engines) -> None:

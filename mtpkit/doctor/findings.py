@@ -44,6 +44,7 @@ CODES = {
     "quantized-head-not-targeted": "a head stored quantized is built unquantized: no target "
                                    "names its runtime name",
     "engine-no-mtp-class": "MTP tensors stored for a model_type vLLM builds no MTP draft for",
+    "dsa-mtp-index-share": "vLLM reuses a GLM-5 MTP layer's first key selection; mtpkit does not",
     "vllm-version-range": "the quantization config loads as stored in some vLLM releases only",
     "quantized-tensors-missing": "a module stored quantized lacks tensors its format needs",
     "quantized-but-ignored": "a module stored quantized is left unquantized by the engine",

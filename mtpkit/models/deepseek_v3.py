@@ -168,24 +168,41 @@ class MLAttention(nn.Module):
 
     def forward(self, x, cos, sin, cache: LatentCache | None) -> torch.Tensor:
         """x [B, T, D] at positions cache.length.. -> [B, T, D]."""
+        _, q_nope, q_rot, c, k_rot = self.project(x, cos, sin)
+        return self.attend(q_nope, q_rot, c, k_rot, cache)
+
+    def project(self, x, cos, sin):
+        """x [B, T, D] -> (query latent or None, q_nope, rotated q_rot [B, H, T, *],
+        normed latent c [B, 1, T, r], rotated rope key [B, 1, T, dr])."""
         b, t, _ = x.shape
+        q_lat = None
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_lat = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_lat)
         q = q.view(b, t, self.h, self.dn + self.dr).transpose(1, 2)
         q_nope, q_rot = q.split([self.dn, self.dr], dim=-1)
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
         c = self.kv_a_layernorm(c)[:, None]  # [B, 1, T, r]
         q_rot, k_rot = self._rope(q_rot, cos, sin), self._rope(k_rot[:, None], cos, sin)
+        return q_lat, q_nope, q_rot, c, k_rot
+
+    def attend(self, q_nope, q_rot, c, k_rot, cache: LatentCache | None,
+               keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Write c / k_rot to the cache and attend -> [B, T, D]; ``keep`` [B, T, S] (bool),
+        when given, narrows the keys each query sees further (sparse attention)."""
+        b, _, t, _ = q_nope.shape
         start, keys = 0, None
         if cache is not None:
             start = cache.length
             c, k_rot = cache.update(c, k_rot)
             keys = cache.key_mask(start + t)
-        mask = causal_mask(start, t, x.device)
+        mask = causal_mask(start, t, q_nope.device)
         if keys is not None:
             mask = keys[None, :] if mask is None else mask & keys[None, :]
+        if keep is not None:
+            mask = keep[:, None] if mask is None else mask & keep[:, None]
         absorb = self.absorb if self.absorb is not None else t <= ABSORB_MAX_TOKENS
         w = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.r)
         if absorb:

@@ -15,6 +15,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "glm4_moe_lite": ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
+    "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
     "kimi_k25": ("kimi_k25", "KimiK25ForCausalLM"),
     "kimi_k2": ("kimi_k25", "KimiK25ForCausalLM"),  # Kimi-K2.5's text_config says kimi_k2
     "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM"),
