@@ -1419,3 +1419,45 @@ def test_smooth_refuses_what_it_cannot_do(checkpoint_factory, tmp_path, capsys):
         assert main(["quantize", "--model", str(src), "--out", str(out), *args]) == 2
         assert words in capsys.readouterr().err
         assert not out.exists()
+
+
+def test_quantize_keeps_what_vllm_never_quantizes_float(checkpoint_factory, tmp_path):
+    """GLM-5's indexer wk and weights_proj (vLLM: one unquantized wk_weights_proj) are written
+    float and listed in the ignore list, trunk and MTP layer alike, and doctor calls the
+    output healthy; the indexer's wq_b is quantized."""
+    import tiny
+
+    from mtpkit.checkpoint.runtime_names import describe, is_ignored
+    from mtpkit.doctor import diagnose
+
+    # 16 indexer heads: weights_proj [16, 64] is a shape the scheme takes (the shared tiny
+    # checkpoint's 8 rows are kept float by shape alone, which would hide the rule).
+    fam = tiny.Family("glm_moe_dsa", lambda: tiny._glm_moe_dsa(index_n_heads=16),
+                      mtp_layout="deepseek")
+    src = tmp_path / "src"
+    tiny.write_checkpoint(fam, src)
+    tiny.add_mtp_head(src, fam, steps=2)
+    out = tmp_path / "q"
+    _quantize(src, out, "--scheme", "w8a16", "--mtp", "same")
+    config = json.loads((out / "config.json").read_text())
+    names = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
+    ignore = config["quantization_config"]["ignore"]
+    indexers = sorted({n.rsplit(".", 2)[0] for n in names if ".indexer." in n})
+    # Layers with a full indexer (shared ones hold none), the MTP layer's included.
+    assert indexers == [f"model.layers.{i}.self_attn.indexer" for i in (0, 3, 4)]
+    for indexer in indexers:
+        for leaf in ("wk", "weights_proj"):
+            module = f"{indexer}.{leaf}"
+            assert not describe(module, "glm_moe_dsa", config=config).quantizable
+            assert f"{module}.weight" in names and f"{module}.weight_packed" not in names
+            assert module in ignore
+            for engine in ("vllm", "sglang", "mtpkit"):
+                assert is_ignored(module, ignore, "glm_moe_dsa", engine, config=config)
+        assert f"{indexer}.wq_b.weight_packed" in names
+        assert f"{indexer.replace('.self_attn.indexer', '')}.self_attn.indexer.wk_weights_proj" \
+            in ignore
+    rep = diagnose(out)
+    assert rep.verdict == "healthy", [(f.code, f.message) for f in rep.findings]
+    q, notes = _load(out)
+    assert not [n for n in notes if "unquantized although" in n], notes
+    assert not isinstance(q.model.model.layers[0].self_attn.indexer.wk, QuantLinear)

@@ -167,13 +167,13 @@ def _glm4_moe_lite():
     return model
 
 
-def _glm_moe_dsa():
+def _glm_moe_dsa(**kw):
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     # index_topk well below the tests' lengths (40 tokens), so that the sparse selection
     # decides what most queries attend; a full, two shared (one after another) and a full
     # indexer layer, so that selections are handed on and replaced.
-    cfg = GlmMoeDsaConfig(
+    args = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -185,7 +185,7 @@ def _glm_moe_dsa():
         index_topk=DSA_TOPK, index_head_dim=16, index_n_heads=8,
         indexer_types=["full", "shared", "shared", "full"],
     )
-    model = GlmMoeDsaForCausalLM(cfg)
+    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**{**args, **kw}))
     _randomize_router_bias(model)
     return model
 

@@ -3,7 +3,8 @@
 compressed-tensors output is what vLLM loads: every tensor (MTP included) in indexed shards,
 the config's MTP fields kept, and an ``ignore`` list in the engine's runtime module names
 that covers every Linear left unquantized (the MTP head when kept in BF16, its combine
-projection, lm_head, modules whose shape the kernels cannot take). GGUF output is what
+projection, lm_head, modules whose shape the kernels cannot take, and modules vLLM builds
+without a quantization config, such as GLM-5's indexer wk / weights_proj). GGUF output is what
 llama.cpp loads: MTP layers under ``blk.N.nextn.*`` with ``block_count`` and
 ``nextn_predict_layers`` set (see checkpoint/gguf.py).
 """
@@ -258,6 +259,17 @@ class _Layout:
                     out.add(head)
         return sorted(out)
 
+    def never_quantized(self, prefix: str) -> bool:
+        """A module vLLM builds without a quantization config (describe(...).quantizable is
+        False: eh_proj, routers, GLM-5's indexer wk / weights_proj), which it therefore
+        loads only from float weights."""
+        from ..checkpoint.runtime_names import describe
+
+        try:
+            return not describe(prefix, self.raw_model_type, config=self.raw).quantizable
+        except ValueError:
+            return False
+
     def is_combine(self, name: str) -> bool:
         """The MTP projection of [embedding, hidden] (eh_proj / fc / input_proj)."""
         mapped = self._mapped(name) or ""
@@ -289,7 +301,8 @@ def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None,
             use = mtp_scheme if is_mtp else scheme
         shape = tuple(ckpt.get_tensor(name).shape) if not hasattr(ckpt, "tensor_shape") \
             else tuple(ckpt.tensor_shape(name))
-        if use is None or layout.is_combine(name) or len(shape) != 2:
+        if use is None or layout.is_combine(name) or len(shape) != 2 \
+                or layout.never_quantized(prefix):
             use = None
         elif not use.fits(*shape):
             smaller = _smaller_group(use, *shape)
