@@ -316,18 +316,27 @@ def test_more_variants_match_transformers(fam, tmp_path):
     test_families.test_logits_match_transformers(fam, tmp_path)
 
 
-def test_second_mtp_layer_reported_unused(checkpoint_factory, tmp_path):
-    """MTPHead shares its combine weights across layers, so only layer 0 of a multi-layer
-    DeepSeek-style head loads; the others are named in the load notes, not silently lost."""
+def test_second_mtp_layer_loads_and_undeclared_layers_are_reported(checkpoint_factory,
+                                                                     tmp_path):
+    """A second DeepSeek-style MTP layer loads with its own weights when the config declares
+    it; stored past the declared count it is named in the load notes, not silently lost."""
     src = checkpoint_factory("glm4_moe")
     cfg = json.loads((src / "config.json").read_text())
     n = cfg["num_hidden_layers"]
-    cfg["num_nextn_predict_layers"] = 2
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
     save_file(load_file(src / "model.safetensors"), tmp_path / "model.safetensors")
     mtp = load_file(src / "model_mtp.safetensors")
-    mtp.update({k.replace(f"layers.{n}.", f"layers.{n + 1}."): v.clone() for k, v in mtp.items()})
+    mtp.update({k.replace(f"layers.{n}.", f"layers.{n + 1}."): 2 * v
+                for k, v in mtp.items()})
     save_file(mtp, tmp_path / "model_mtp.safetensors")
+    cfg["num_nextn_predict_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    head = load_model(tmp_path, tokenizer=False).model.mtp
+    assert len(head.layers) == 2
+    assert torch.equal(head.parts(1).fc.weight, mtp[f"model.layers.{n + 1}.eh_proj.weight"])
+    assert torch.equal(head.layers[1].input_layernorm.weight,
+                       mtp[f"model.layers.{n + 1}.input_layernorm.weight"])
+    cfg["num_nextn_predict_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.warns(UserWarning, match=f"model.layers.{n + 1}"):
         loaded = load_model(tmp_path, tokenizer=False)
     assert loaded.model.mtp is not None and len(loaded.model.mtp.layers) == 1
@@ -475,3 +484,102 @@ def test_doctor_notes_vllm_index_share(checkpoint_factory, tmp_path):
     rep = diagnose(tmp_path / "m")
     found = [f for f in rep.findings if f.code == "dsa-mtp-index-share"]
     assert len(found) == 1 and found[0].severity == "info" and rep.exit_code == 0
+
+
+@pytest.fixture(scope="module")
+def three_layer_head(tmp_path_factory):
+    """A tiny DeepSeek-V3 with three MTP layers (model.layers.{3,4,5}.*), each with its own
+    enorm/hnorm/eh_proj/shared_head.norm, layer i trained at chained depth i + 1."""
+    from tiny import add_mtp_head, write_checkpoint
+
+    fam = next(f for f in FAMILIES if f.name == "deepseek_v3")
+    out = tmp_path_factory.mktemp("deepseek_v3_3mtp")
+    write_checkpoint(fam, out)
+    add_mtp_head(out, fam, layers=3, steps=60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(out, tokenizer=False).model
+    return out, model
+
+
+def test_every_mtp_layer_loads_with_its_own_combine(three_layer_head):
+    """Nothing is dropped: each layer's norms, eh_proj and block come from its own tensors."""
+    path, model = three_layer_head
+    tensors = load_file(path / "model_mtp.safetensors")
+    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    head = model.mtp
+    assert len(head.layers) == 3 and sorted(head.per_layer) == ["1", "2"]
+    for i in range(3):
+        p = head.parts(i)
+        pre = f"model.layers.{n + i}."
+        for disk, mod in (("eh_proj", p.fc), ("enorm", p.pre_fc_norm_embedding),
+                          ("hnorm", p.pre_fc_norm_hidden), ("shared_head.norm", p.norm),
+                          ("input_layernorm", head.layers[i].input_layernorm)):
+            assert torch.equal(mod.weight, tensors[pre + disk + ".weight"]), (i, disk)
+    # The layers differ, so a head that ran layer 0 at every step would draft otherwise.
+    assert not torch.equal(head.parts(1).fc.weight, head.fc.weight)
+
+
+def test_draft_step_i_runs_layer_i(three_layer_head):
+    """Step s runs layer min(s, 2) with that layer's own combine and final norm: step 1's
+    output is the plain formula over model.layers.{L+1}.*, and k = 5 runs 0, 1, 2, 2, 2."""
+    from mtpkit.engine.generate import DecodeState, MTPDrafter
+    from mtpkit.engine.sampling import SamplingParams
+
+    path, model = three_layer_head
+    tensors = load_file(path / "model_mtp.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    n, eps = cfg["num_hidden_layers"], cfg["rms_norm_eps"]
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        h = model(ids).hidden
+        emb = model.model.embed_tokens(ids[:, 1:])
+        t = emb.shape[1]
+        cos, sin = model.rotary.cos_sin(torch.arange(1, 1 + t))
+        pre = f"model.layers.{n + 1}."
+        x = F.linear(torch.cat([_rms(emb, tensors[pre + "enorm.weight"], eps),
+                                _rms(h[:, :t], tensors[pre + "hnorm.weight"], eps)], -1),
+                     tensors[pre + "eh_proj.weight"])
+        y = model.mtp.layers[1](x, cos, sin, None)
+        want = _rms(y, tensors[pre + "shared_head.norm.weight"], eps)
+        got = model.mtp_forward(ids[:, 1:], h[:, :t], 1, 1, None)
+    assert (got.hidden - want).abs().max() < 1e-5
+    assert (got.pre_norm - y).abs().max() < 1e-5
+
+    ran: list[int] = []
+    hooks = [block.register_forward_hook(lambda *a, i=i: ran.append(i))
+             for i, block in enumerate(model.mtp.layers)]
+    try:
+        st = DecodeState(pos=ids.shape[1], pending=5, mtp_start=0,
+                         mtp_ids=torch.cat([ids[:, 1:], torch.tensor([[5]])], 1), mtp_hidden=h)
+        with torch.no_grad():
+            MTPDrafter(model).propose(st, 5, model.new_mtp_cache(64),
+                                      SamplingParams(max_tokens=8), None)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert ran == [0, 1, 2, 2, 2]
+
+
+def test_several_mtp_layers_greedy_equal_and_per_position(three_layer_head):
+    """Greedy output with a three-layer head equals no MTP for k = 1..5; acceptance is
+    counted per draft position; the fast path declines the head (eager engine)."""
+    from test_families import PROMPTS, _run
+
+    from mtpkit.engine.fast import unsupported_reason
+    from mtpkit.engine.generate import Engine
+
+    _, model = three_layer_head
+    assert unsupported_reason(model) is not None
+    engine = Engine(model)
+    accepted = 0
+    for prompt in PROMPTS:
+        want, _ = _run(engine, prompt, 0)
+        for k in range(1, 6):
+            got, res = _run(engine, prompt, k)
+            assert got == want, f"k={k} prompt={prompt}"
+            m = res.metrics
+            assert len(m.drafts_per_pos) == len(m.per_position_rate) == k
+            assert sum(m.accepted_per_pos) == m.num_accepted_tokens
+            accepted += m.num_accepted_tokens
+    assert accepted > 0

@@ -363,14 +363,16 @@ def _to_vlm_layout(out: Path) -> None:
 
 
 def add_mtp_head(
-    out: Path, fam: Family, seed: int = 0, steps: int = 150, separate_file: bool = True
+    out: Path, fam: Family, seed: int = 0, steps: int = 150, separate_file: bool = True,
+    layers: int = 1,
 ) -> None:
-    """Train a one-layer MTP head on the trunk's own greedy text and store it as ``mtp.*``."""
+    """Train an MTP head on the trunk's own greedy text and store it in the family's layout;
+    with ``layers`` > 1, layer i is trained at chained depth i + 1 (as it drafts)."""
 
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     target = cfg["text_config"] if "text_config" in cfg else cfg
-    target[fam.mtp_config_key] = 1
+    target[fam.mtp_config_key] = layers
     cfg_path.write_text(json.dumps(cfg, indent=2))
     with warnings.catch_warnings():
         # The config now declares a head the files lack: the loader drops it with a note.
@@ -379,14 +381,17 @@ def add_mtp_head(
         shell = build_model(hf_config_of(open_checkpoint(out)), torch.device("cpu"))
     head = shell.mtp
     randomize(head, seed + 1)
-    # Start the block from the trunk's last full-attention layer where the shapes agree.
-    for layer in reversed(model.model.layers):
-        try:
-            head.layers[0].load_state_dict(layer.state_dict())
-            break
-        except RuntimeError:
-            continue
+    # Start each block from the trunk's last full-attention layer where the shapes agree.
+    for block in head.layers:
+        for layer in reversed(model.model.layers):
+            try:
+                block.load_state_dict(layer.state_dict())
+                break
+            except RuntimeError:
+                continue
     _distill(model, head, seed, steps)
+    if layers > 1:
+        _distill_chained(model, head, seed, steps, layers)
     tensors = {f"mtp.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
     if fam.mtp_layout == "deepseek":
         tensors = to_deepseek_layout(tensors, target["num_hidden_layers"], model)
@@ -413,22 +418,30 @@ def to_mimo_layout(tensors: dict) -> dict:
 
 
 def to_deepseek_layout(tensors: dict, n_layers: int, model) -> dict:
-    """mtp.* head tensors -> model.layers.{n_layers}.* names, with the optional copies of the
-    trunk's lm_head and embedding that DeepSeek-V3 / GLM releases carry in the MTP layer."""
+    """mtp.* head tensors -> model.layers.{n_layers + i}.* names, with the optional copies of
+    the trunk's lm_head and embedding that DeepSeek-V3 / GLM releases carry in each MTP
+    layer (layer i's own modules: mtp.* for i = 0, mtp.per_layer.{i}.* after)."""
+    import re
+
     from mtpkit.models.mtp import NEXTN_NAMES
 
-    prefix = f"model.layers.{n_layers}."
-    by_mtp = {f"mtp.{new}.weight": f"{prefix}{old}.weight" for old, new in NEXTN_NAMES.items()}
-    out = {}
+    by_mtp = {new: old for old, new in NEXTN_NAMES.items()}
+    out, count = {}, 0
     for k, v in tensors.items():
-        if k in by_mtp:
-            out[by_mtp[k]] = v
-        elif k.startswith("mtp.layers.0."):
-            out[prefix + k[len("mtp.layers.0."):]] = v
+        own = re.fullmatch(r"mtp\.(?:per_layer\.(\d+)\.)?(\w+)\.weight", k)
+        block = re.match(r"mtp\.layers\.(\d+)\.(.+)", k)
+        if own and own[2] in by_mtp:
+            i, name = int(own[1] or 0), f"{by_mtp[own[2]]}.weight"
+        elif block:
+            i, name = int(block[1]), block[2]
         else:
             raise ValueError(f"no DeepSeek-style name for {k}")
-    out[prefix + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
-    out[prefix + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+        out[f"model.layers.{n_layers + i}.{name}"] = v
+        count = max(count, i + 1)
+    for i in range(count):
+        prefix = f"model.layers.{n_layers + i}."
+        out[prefix + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+        out[prefix + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
     return out
 
 
@@ -459,6 +472,28 @@ def _distill(model, head, seed: int, steps: int) -> None:
         loss = torch.nn.functional.cross_entropy(
             model.lm_head(post).flatten(0, 1).float(), target.flatten()
         )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.eval().requires_grad_(False)
+
+
+def _distill_chained(model, head, seed: int, steps: int, depth: int) -> None:
+    """Teach every layer its chained depth (layer i: the trunk's token i + 2 positions past
+    the one it reads), with calibrate's loss, layer 0's depth included."""
+    from mtpkit.train.calibrate import distill_loss
+
+    g = torch.Generator().manual_seed(seed + 7)
+    data = torch.randint(0, VOCAB, (24, 32), generator=g)
+    with torch.no_grad():  # greedy continuations: the text drafting meets
+        for _ in range(8):
+            nxt = model.logits(model(data).hidden[:, -1:]).argmax(-1)
+            data = torch.cat([data, nxt], 1)
+    model.mtp = head
+    head.train().requires_grad_(True)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _, _ = distill_loss(model, data, depth, head)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -360,6 +360,14 @@ def _to_layout(tensors: dict, n_src: int, lay: HFLayout) -> dict:
             mapped = map_nextn_name(name, n_src) if name.startswith("model.layers.") else name
             if mapped is None:
                 continue  # copies of the trunk's lm_head / embedding
+            if mapped.startswith("mtp.per_layer."):
+                # These families' heads share one combine across their blocks: a second
+                # layer's own norms and eh_proj have nowhere to go, and dropping them would
+                # leave a head that drafts with the wrong weights past step 0.
+                raise ValueError(
+                    f"{name}: the source's MTP layers each carry their own norms and eh_proj, "
+                    f"but a {mt} head has one set shared by all its layers; graft a source "
+                    "with one MTP layer (or a Qwen3.5-layout mtp.* head) instead")
             out[mapped] = t
         elif mt in DEEPSEEK_STYLE:
             m = re.match(r"model\.layers\.(\d+)\.(.+)", name)
@@ -370,10 +378,15 @@ def _to_layout(tensors: dict, n_src: int, lay: HFLayout) -> dict:
             mapped = map_nextn_name(name, n_src)
             if mapped is None:
                 continue
-            inv = {f"mtp.{new}.weight": f"model.mtp_layers.0.{old}.weight"
-                   for old, new in MIMO_NAMES.items()}
+            # Each MiMo MTP layer keeps its own norms and input_proj (layer i >= 1's read
+            # back from mtp.per_layer.{i}.*).
+            own = re.match(r"mtp\.(?:per_layer\.(\d+)\.)?(\w+)\.weight$", mapped)
+            inv = {f"{new}": old for old, new in MIMO_NAMES.items()}
+            if own and own[2] in inv:
+                out[f"model.mtp_layers.{own[1] or 0}.{inv[own[2]]}.weight"] = t
+                continue
             mm = re.match(r"mtp\.layers\.(\d+)\.(.+)", mapped)
-            out[inv.get(mapped) or f"model.mtp_layers.{mm[1]}.{mm[2]}"] = t
+            out[f"model.mtp_layers.{mm[1]}.{mm[2]}"] = t
     return out
 
 

@@ -117,13 +117,16 @@ class CausalLM(nn.Module):
         """One draft step: tokens t_{i+1} [B, T] and states h_i [B, T, D] at positions start.."""
         layer_cache: KVCache | None = None
         if cache is not None:
-            layer_cache = cache[step % len(cache)]
+            layer_cache = cache[self.mtp.layer_for(step)]
             # Speculative entries past `start` are stale; a layer not used at every step
             # may lag behind, and its skipped slots are masked out.
             if layer_cache.length > start:
                 layer_cache.trim(start)
             layer_cache.skip_to(start)
-        cos, sin = self.rotary.cos_sin(self._positions(start, next_ids.shape[1]))
+        # A family whose MTP blocks rotate as some trunk layers do (MiMo-V2-Flash: the
+        # sliding-window layers' theta) sets mtp_rotary.
+        rotary = getattr(self, "mtp_rotary", None) or self.rotary
+        cos, sin = rotary.cos_sin(self._positions(start, next_ids.shape[1]))
         emb = self.model.embed_tokens(next_ids)
         post, pre = self.mtp(emb, hidden, step, cos, sin, layer_cache, start)
         return TrunkOutput(post, pre)

@@ -125,8 +125,9 @@ class LlamaForCausalLM(CausalLM):
         self.mtp = None
         if cfg.num_nextn_predict_layers:
             mimo = cfg.model_type == "mimo"
+            # MiMo's MTP layers each carry their own norms and input_proj.
             spec = MTPSpec(cfg.num_nextn_predict_layers, eps=cfg.rms_norm_eps,
-                           emb_first=not mimo, zero_first_embedding=mimo)
+                           emb_first=not mimo, zero_first_embedding=mimo, own_combine=mimo)
             self.mtp = MTPHead(cfg.hidden_size, spec, lambda i: LlamaDecoderLayer(cfg))
 
     # DeepSeek-style names of an MTP layer (what GGUF's blk.N.nextn.* maps back to).

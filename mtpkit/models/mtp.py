@@ -9,6 +9,12 @@ output when chaining), then runs one decoder block with its own KV cache:
     g_i = norm(block(x_i))  -> logits with the trunk's lm_head -> a guess for t_{i+2}
 
 Module names are Qwen3.5's ``mtp.*`` names; other layouts are renamed on load by their family.
+
+Several MTP layers: draft step s runs layer ``layer_for(s)``: layer s while there is one,
+then the last layer again (see ``MTPHead.layer_for``). Qwen3.5 shares one combine and final
+norm across its blocks (``mtp.fc``, ``mtp.layers.{i}``); DeepSeek-style and MiMo layers each
+carry their own (``MTPSpec.own_combine``): layer 0's under the shared names, layer i's (i >= 1)
+under ``mtp.per_layer.{i}.*``.
 """
 
 from __future__ import annotations
@@ -38,10 +44,26 @@ class MTPSpec:
     # DeepSeek, GLM and MiMo heads were trained (and vLLM runs them) with the embedding at
     # position 0 zeroed: it has no preceding hidden state worth combining with.
     zero_first_embedding: bool = False
+    # Every layer has its own combine norms, projection and final norm (DeepSeek-style,
+    # MiMo); False: one set shared by every block (Qwen3-Next / 3.5).
+    own_combine: bool = False
+
+
+class MTPCombine(nn.Module):
+    """One MTP layer's own norms, combine projection and final norm (layers 1.. of a head
+    whose layers each carry them)."""
+
+    def __init__(self, hidden_size: int, spec: MTPSpec) -> None:
+        super().__init__()
+        zc = spec.zero_centered
+        self.pre_fc_norm_embedding = RMSNorm(hidden_size, spec.eps, zc)
+        self.pre_fc_norm_hidden = RMSNorm(hidden_size, spec.eps, zc)
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.norm = RMSNorm(hidden_size, spec.eps, zc)
 
 
 class MTPHead(nn.Module):
-    """Combine, one decoder block per layer (used for draft step s: layer s mod n), final norm."""
+    """Combine, one decoder block per layer, final norm; draft step s runs layer_for(s)."""
 
     def __init__(
         self, hidden_size: int, spec: MTPSpec, make_layer: Callable[[int], nn.Module]
@@ -54,6 +76,26 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.layers = nn.ModuleList(make_layer(i) for i in range(spec.num_layers))
         self.norm = RMSNorm(hidden_size, spec.eps, zc)
+        # Layer i's own combine and final norm (i >= 1); layer 0's are the modules above.
+        self.per_layer = nn.ModuleDict(
+            {str(i): MTPCombine(hidden_size, spec) for i in range(1, spec.num_layers)}
+            if spec.own_combine else {}
+        )
+
+    def layer_for(self, step: int) -> int:
+        """The MTP layer that runs draft step ``step``: layer ``step``, past the last the last.
+
+        Layer i was trained (DeepSeek-V3's sequential MTP, MiMo's and Step's heads alike) to
+        predict token t+i+2 from layer i-1's output state, and only layer 0 from the trunk's:
+        past the last layer the input is again a head's own output, which the last layer has
+        seen in training and layer 0 has not. vLLM cycles (``step % n``) instead; with one
+        layer both rules are the same, and the drafts only decide speed, never the output.
+        """
+        return min(step, len(self.layers) - 1)
+
+    def parts(self, i: int) -> nn.Module:
+        """The module holding layer i's combine norms, ``fc`` and final ``norm``."""
+        return self.per_layer[str(i)] if str(i) in self.per_layer else self
 
     def forward(
         self,
@@ -68,10 +110,12 @@ class MTPHead(nn.Module):
         """emb, hidden [B, T, D] at positions start.. -> (state after the final norm, before)."""
         if self.spec.zero_first_embedding and start == 0:
             emb = torch.cat([torch.zeros_like(emb[:, :1]), emb[:, 1:]], dim=1)
-        e, h = self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)
-        x = self.fc(torch.cat([e, h] if self.spec.emb_first else [h, e], dim=-1))
-        x = self.layers[step % len(self.layers)](x, cos, sin, cache)
-        return self.norm(x), x
+        i = self.layer_for(step)
+        p = self.parts(i)
+        e, h = p.pre_fc_norm_embedding(emb), p.pre_fc_norm_hidden(hidden)
+        x = p.fc(torch.cat([e, h] if self.spec.emb_first else [h, e], dim=-1))
+        x = self.layers[i](x, cos, sin, cache)
+        return p.norm(x), x
 
 
 # DeepSeek-style names of an MTP layer's own modules (below model.layers.{L}) -> MTPHead names.
@@ -93,6 +137,11 @@ MIMO_NAMES = {
 }
 
 
+def own_name(i: int, name: str) -> str:
+    """``mtp.*`` name of layer i's own combine / final-norm module ``name`` (fc, norm...)."""
+    return f"mtp.{name}" if i == 0 else f"mtp.per_layer.{i}.{name}"
+
+
 def map_mimo_name(name: str) -> str:
     """``model.mtp_layers.{i}.*`` (MiMo) -> ``mtp.*``; other names unchanged."""
     m = re.match(r"model\.mtp_layers\.(\d+)\.(.+)$", name)
@@ -100,7 +149,7 @@ def map_mimo_name(name: str) -> str:
         return name
     for old, new in MIMO_NAMES.items():
         if m[2] == f"{old}.weight":
-            return f"mtp.{new}.weight"
+            return own_name(int(m[1]), f"{new}.weight")
     return f"mtp.layers.{m[1]}.{m[2]}"
 
 
@@ -119,7 +168,7 @@ def map_nextn_name(name: str, num_hidden_layers: int, num_mtp_layers: int | None
         return name
     for old, new in NEXTN_NAMES.items():
         if rest == f"{old}.weight":
-            return f"mtp.{new}.weight"
+            return own_name(i, f"{new}.weight")
     if rest.startswith(("shared_head.head", "embed_tokens")):
         return None
     return f"mtp.layers.{i}.{rest}"
@@ -134,26 +183,24 @@ def deepseek_mtp_spec(num_layers: int, eps: float) -> MTPSpec:
     # block output. (transformers' generic MtpLayer chains the normed state instead; the
     # releases were tuned and measured with vLLM / SGLang, so we follow them.)
     return MTPSpec(num_layers, emb_first=True, trunk_hidden="post_norm",
-                   chain_hidden="pre_norm", eps=eps, zero_first_embedding=True)
+                   chain_hidden="pre_norm", eps=eps, zero_first_embedding=True,
+                   own_combine=True)
 
 
 class DeepSeekStyleMTP:
     """Loading shared by families whose MTP layers sit at model.layers.{L + i} (mixin)."""
 
     def build_mtp(self, cfg, make_layer) -> MTPHead | None:
-        """The MTP head the config declares (its first layer only; see the comment)."""
+        """The MTP head the config declares: every layer, each with its own combine."""
         if not cfg.num_nextn_predict_layers:
             return None
-        # Every released DeepSeek-V3 / GLM-4.5 checkpoint has one MTP layer. MTPHead shares
-        # its combine norms and projection across layers, which would be wrong for more; a
-        # second layer's tensors are reported as unused and layer 0 drafts every step (what
-        # vLLM does as well once the draft depth exceeds the layer count).
-        spec = deepseek_mtp_spec(1, cfg.rms_norm_eps)
+        spec = deepseek_mtp_spec(cfg.num_nextn_predict_layers, cfg.rms_norm_eps)
         return MTPHead(cfg.hidden_size, spec, make_layer)
 
     def map_checkpoint_name(self, name: str) -> str | None:
-        """model.layers.{num_hidden_layers}.* -> mtp.*; the rest as the base class maps it."""
-        mapped = map_nextn_name(name, self.config.num_hidden_layers, 1)
+        """model.layers.{num_hidden_layers + i}.* -> mtp.*; the rest as the base class maps."""
+        mapped = map_nextn_name(name, self.config.num_hidden_layers,
+                                self.config.num_nextn_predict_layers)
         return super().map_checkpoint_name(name) if mapped == name else mapped
 
     def split_checkpoint_tensor(self, name: str, tensor_fn):

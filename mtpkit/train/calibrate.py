@@ -103,7 +103,8 @@ def chained_head_logits(model, head, ids: torch.Tensor, hidden: torch.Tensor, de
         n = t - 1 - d  # positions i with a known token i+d and a target at i+d
         if n <= 0:
             return
-        cos, sin = model.rotary.cos_sin(torch.arange(n, device=ids.device))
+        cos, sin = (getattr(model, "mtp_rotary", None) or model.rotary).cos_sin(
+            torch.arange(n, device=ids.device))
         emb = model.model.embed_tokens(ids[:, d : d + n]).detach()
         post, pre = head(emb, hidden[:, :n], d - 1, cos, sin, None)
         yield d, n, logits_fn(post)

@@ -102,7 +102,8 @@ def teacher_eval(
         n = t - 1 - k  # positions i whose depth-k target greedy[i + k] exists
         if n <= 0:
             break
-        cos, sin = model.rotary.cos_sin(torch.arange(n, device=ids.device))
+        cos, sin = (getattr(model, "mtp_rotary", None) or model.rotary).cos_sin(
+            torch.arange(n, device=ids.device))
         hidden = out.for_mtp(spec.trunk_hidden)[:, :n]
         tokens = ids[:, 1 : 1 + n]  # the pending token x = t_{i+1}
         # Depth 1 is exact at every position: the trunk verifies d1 given the corpus prefix.
