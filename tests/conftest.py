@@ -30,7 +30,7 @@ def checkpoint_factory(tmp_path_factory):
             fam = next(f for f in tiny.FAMILIES + tiny.MORE_FAMILIES if f.name == name)
             out = tmp_path_factory.mktemp(name)
             tiny.write_checkpoint(fam, out)
-            tiny.add_mtp_head(out, fam)
+            tiny.add_mtp_head(out, fam, layers=fam.mtp_layers)
             _BUILT[name] = out
         return _BUILT[name]
 

@@ -190,6 +190,31 @@ def _glm_moe_dsa(**kw):
     return model
 
 
+def _mimo_v2_flash():
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+    # A window of 6 inside the tests' 40 tokens, full and sliding layers (twice the KV heads,
+    # sinks), q/k heads wider than v heads, partial rotary with a theta per layer type; layer
+    # 2 is a dense sliding layer, the MTP blocks' shape (their start in add_mtp_head).
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 50000.0,
+                               "partial_rotary_factor": 0.334},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.334}}
+    cfg = MiMoV2FlashConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=24, v_head_dim=16,
+        max_position_embeddings=128, sliding_window=6, moe_intermediate_size=32,
+        num_experts_per_tok=2, n_routed_experts=8, n_group=2, topk_group=1,
+        routed_scaling_factor=1.5, norm_topk_prob=True, tie_word_embeddings=False,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                     "full_attention"],
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"], rope_parameters=rope,
+    )
+    model = MiMoV2FlashForCausalLM(cfg)
+    _randomize_router_bias(model)
+    return model
+
+
 def _kimi_k25():
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
@@ -256,6 +281,8 @@ class Family:
     rewrite: Callable[[Path], None] | None = None
     # The text model's "model." prefix in a wrapper's checkpoint (MTP tensors go below it).
     text_prefix: str = "model."
+    # MTP layers of the head add_mtp_head trains (layer i at chained depth i + 1).
+    mtp_layers: int = 1
 
 
 FAMILIES = [
@@ -280,6 +307,8 @@ FAMILIES = [
     # A DeepSeek-V3 text model in a vision-language wrapper, in the release's names.
     Family("kimi_k25", _kimi_k25, mtp_layout="deepseek", adjust=_soften_mla_queries,
            rewrite=_kimi_release_layout, text_prefix="language_model.model."),
+    # MiMo-V2-Flash: three MTP layers as released, under model.mtp.layers.{i}.*.
+    Family("mimo_v2_flash", _mimo_v2_flash, mtp_layout="mimo_v2", mtp_layers=3),
 ]
 FAMILY_IDS = [f.name for f in FAMILIES]
 # Built on request (checkpoint_factory) by tests of one feature, outside the shared table.
@@ -399,6 +428,8 @@ def add_mtp_head(
                    for k, v in tensors.items()}
     elif fam.mtp_layout == "mimo":
         tensors = to_mimo_layout(tensors)
+    elif fam.mtp_layout == "mimo_v2":
+        tensors = to_mimo_v2_layout(tensors)
     if separate_file:
         save_file(tensors, out / "model_mtp.safetensors", metadata={"format": "pt"})
     else:
@@ -415,6 +446,27 @@ def to_mimo_layout(tensors: dict) -> dict:
               for old, new in MIMO_NAMES.items()}
     return {by_mtp.get(k, k.replace("mtp.layers.0.", "model.mtp_layers.0.")): v
             for k, v in tensors.items()}
+
+
+def to_mimo_v2_layout(tensors: dict) -> dict:
+    """mtp.* head tensors -> MiMo-V2-Flash's model.mtp.layers.{i}.* names (vLLM's loader)."""
+    import re
+
+    own = {"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "fc": "eh_proj",
+           "norm": "final_layernorm"}
+    out = {}
+    for k, v in tensors.items():
+        m = re.fullmatch(r"mtp\.(?:per_layer\.(\d+)\.)?(\w+)\.weight", k)
+        block = re.match(r"mtp\.layers\.(\d+)\.(.+)", k)
+        if m and m[2] in own:
+            out[f"model.mtp.layers.{m[1] or 0}.{own[m[2]]}.weight"] = v
+        elif block:
+            rest = block[2].replace("post_attention_layernorm", "pre_mlp_layernorm")
+            rest = rest.replace("self_attn.sinks", "self_attn.attention_sink_bias")
+            out[f"model.mtp.layers.{block[1]}.{rest}"] = v
+        else:
+            raise ValueError(f"no MiMo-V2 name for {k}")
+    return out
 
 
 def to_deepseek_layout(tensors: dict, n_layers: int, model) -> dict:

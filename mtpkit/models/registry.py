@@ -12,6 +12,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen2": ("llama", "LlamaForCausalLM"),
     "qwen3": ("llama", "LlamaForCausalLM"),
     "mimo": ("llama", "LlamaForCausalLM"),
+    "mimo_v2_flash": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "glm4_moe_lite": ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
