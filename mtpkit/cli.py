@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 import time
 import warnings
@@ -193,6 +194,9 @@ def _cmd_warmup(a) -> int:
 
     if a.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {a.num_draft_tokens}")
+    # Stopped (a server's background build ends with the server), it ends as on an error:
+    # the unwinding removes its partial program file.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.perf_counter()
     session = Session.load(a.model, head=a.head, device=a.device, dtype=a.dtype,
                            full_draft_vocab=a.full_draft_vocab, compile="aoti")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -728,3 +729,29 @@ def test_auto_backend_runs_uncompiled_until_programs_exist(engine_factory, tmp_p
     assert dec.stats.compiled == dec.stats.loaded == 0 and not list(tmp_path.iterdir())
     path = dec._aoti_path("round", 3, 2)
     assert path.parent == tmp_path and path.name.startswith("round-")
+
+
+def test_auto_backend_adopts_programs_built_meanwhile(engine_factory, tmp_path, monkeypatch):
+    """A program running uncompiled because its file was missing is swapped for the built
+    one once the file appears (a server's background `mtpkit warmup`), by every fork, and
+    only after ADOPT_EVERY_S since the last look; a file that fails to load leaves the
+    uncompiled program running and is not retried."""
+    engine = engine_factory("llama")
+    dec = FastDecoder(engine.model, backend="auto", max_len=128, cache_dir=tmp_path)
+    twin = dec.fork()
+    uncompiled = dec.program("decode")
+    path = dec._aoti_path("decode", 1, 0)
+    assert dec.pending == [path] and twin.pending == [path]
+    built = object()
+    monkeypatch.setattr(FastDecoder, "_load", lambda self, p: built if p == path else 1 / 0)
+    path.write_bytes(b"built")
+    dec._looked[0] = time.monotonic()
+    assert dec.program("decode") is uncompiled  # looked too recently
+    monkeypatch.setattr(fast_mod, "ADOPT_EVERY_S", 0.0)
+    assert twin.program("decode") is built and dec.program("decode") is built
+    assert dec.pending == []
+    # A broken file: logged, dropped from the pending list, the uncompiled program kept.
+    step = dec.program("round", 2, 1)
+    broken = dec._aoti_path("round", 2, 1)
+    broken.write_bytes(b"not a program")
+    assert dec.program("round", 2, 1) is step and dec.pending == []

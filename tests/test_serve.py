@@ -910,3 +910,61 @@ def test_health_loading_stall_and_disconnect(ref, model_dir):
         gate.set()
         if state.sched is not None:
             state.sched.stop()
+
+
+def test_missing_programs_are_built_in_the_background(model_dir, tmp_path, monkeypatch):
+    """With --compile auto and programs not built, `mtpkit serve` starts `mtpkit warmup`
+    for the same model, head, draft length and thread count at the lowest priority (the
+    child is faked here: a real build takes minutes), says so, and stops it on exit."""
+    import subprocess
+
+    import mtpkit.serve.app as app_mod
+    from mtpkit.serve.app import ServeConfig, ServerState
+
+    monkeypatch.setenv("MTPKIT_COMPILE_CACHE", str(tmp_path))
+    started = []
+    real = subprocess.Popen
+
+    class Child:
+        pid = 4242
+
+        def __new__(cls, cmd, **kw):
+            if "warmup" not in cmd:  # the kernels' build, for one
+                return real(cmd, **kw)
+            return super().__new__(cls)
+
+        def __init__(self, cmd, **kw):
+            self.cmd, self.kw, self.ended = cmd, kw, None
+            started.append(self)
+
+        def poll(self):
+            return self.ended
+
+        def terminate(self):
+            self.ended = -15
+
+        def wait(self, timeout=None):
+            return self.ended
+
+    monkeypatch.setattr(subprocess, "Popen", Child)
+    cfg = ServeConfig(model=str(model_dir), served_model_name=NAME, num_draft_tokens=2,
+                      max_num_seqs=1, background_build=True, threads=1)
+    state = ServerState(cfg)
+    state._load()
+    try:
+        assert len(started) == 1 and state.builder is started[0]
+        cmd = started[0].cmd
+        assert cmd[1:4] == ["-m", "mtpkit.cli", "warmup"]
+        flags = dict(zip(cmd[4::2], cmd[5::2], strict=False))
+        assert flags["-k"] == "2" and flags["--threads"] == "1"
+        assert flags["--model"] == str(model_dir)
+        assert started[0].kw["preexec_fn"] is not None  # os.nice(19) in the child
+        assert (tmp_path / "background-warmup.log").exists()
+        app_mod._stop_builder(state.builder)
+        assert started[0].ended == -15
+        # Off (the default for embedded servers) or nothing missing: no child.
+        ServerState(ServeConfig(model=str(model_dir), served_model_name=NAME,
+                                max_num_seqs=1))._load()
+        assert len(started) == 1
+    finally:
+        state.sched.stop()

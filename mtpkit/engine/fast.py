@@ -43,6 +43,7 @@ import copy
 import gc
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -70,9 +71,12 @@ from .budget import RoundCosts, choose_drafts, top_drafts
 from .generate import Result, emit
 
 BACKENDS = ("auto", "aoti", "inductor", "eager")
+log = logging.getLogger("mtpkit.fast")
+
 SPAN_STEP = 64  # attention reads the cache up to the next multiple of this
 EXPLORE = 16  # a batched round in this many measures all drafts or none (_drafts_to_verify)
 QUANT_ROWS = 2  # trunk rows of every compiled step on quantized trunks: drafts k <= 1
+ADOPT_EVERY_S = 2.0  # how often uncompiled programs look for their built file (FastDecoder)
 DEFAULT_MAX_LEN = 2048  # cache positions of a FastDecoder unless the model's context is shorter
 
 
@@ -894,6 +898,10 @@ class FastDecoder:
         self.programs.set_positions(self.max_len + SPAN_STEP)
         self._alloc_caches()
         self._fns: dict[tuple, object] = {}
+        # backend auto: programs running uncompiled because their file was not built yet
+        # (key -> file), looked for again now and then (_adopt); shared with forks.
+        self._pending: dict[tuple, Path] = {}
+        self._looked = [0.0]
         self._spans: dict[int, torch.Tensor] = {}
         self._times: dict[tuple, float] = {}  # run_many's timings (shared by forks)
         self._counts: dict[tuple, int] = {}
@@ -993,6 +1001,8 @@ class FastDecoder:
         """The callable of one program (built, loaded or traced on first use)."""
         key = (kind, t, k)
         fn = self._fns.get(key)
+        if self._pending and key in self._pending:
+            fn = self._adopt(key) or fn
         if fn is None:
             t0 = time.perf_counter()
             with torch.inference_mode(False), torch.no_grad():
@@ -1007,13 +1017,42 @@ class FastDecoder:
             gc.freeze()
         return fn
 
+    @property
+    def pending(self) -> list[Path]:
+        """Program files this decoder runs uncompiled until they are built (backend auto)."""
+        return list(self._pending.values())
+
+    def _adopt(self, key: tuple):
+        # Load the programs built since the last look (by `mtpkit warmup`, e.g. the server's
+        # background build), at most every ADOPT_EVERY_S: the look is a file-system call
+        # per pending program, and a step is milliseconds.
+        now = time.monotonic()
+        if now - self._looked[0] < ADOPT_EVERY_S:
+            return None
+        self._looked[0] = now
+        for kkey, path in list(self._pending.items()):
+            if path.exists():
+                try:
+                    fn = self._load(path)
+                except Exception as e:  # a corrupt file: keep the uncompiled program
+                    log.warning("could not load %s (%s); running it uncompiled", path, e)
+                else:
+                    self._fns[kkey] = fn
+                    log.info("loaded the compiled %s program (T=%d) built meanwhile",
+                             kkey[0], kkey[1])
+                del self._pending[kkey]
+        return self._fns.get(key) if key not in self._pending else None
+
     def _make(self, kind: str, t: int, k: int):
         step = _Step(self.programs, kind, k)
         if self.backend == "auto":
             # The compiled program where `mtpkit warmup` (or an earlier --compile aoti run)
             # built it, else the same program uncompiled: no request waits on a build.
             path = self._aoti_path(kind, t, k)
-            return self._load(path) if path.exists() else step
+            if path.exists():
+                return self._load(path)
+            self._pending[(kind, t, k)] = path
+            return step
         if self.backend == "eager":
             return step
         # Built for the whole team (its key says so), whatever the load made it just now.

@@ -184,6 +184,20 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         shape = x.shape
+        ops = self._packed.get("a16")
+        if ops is None:
+            ops = self._a16_operands()
+        if (ops and x.dtype == torch.float32 and x.numel() <= self._a16_numel
+                and int8_mm_available()):
+            # The path below for its commonest case, without its checks and no-op
+            # conversions: an uncompiled step (a server's batched pass) makes ~200 of these
+            # calls, where they cost more than the kernel. Same op, same operands, same bits.
+            out = torch.ops.mtpkit.int8_a16_mm(x.reshape(-1, shape[-1]), *ops)
+            if out.shape[1] != self.out_features:
+                out = out[:, : self.out_features]
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out.reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, shape[-1])
         if self.kind == "int" and self.perm is not None:
             x2 = x2.index_select(1, self.perm)
@@ -252,6 +266,10 @@ class QuantLinear(nn.Module):
 
     max_kernel_rows = 256
 
+    @property
+    def _a16_numel(self) -> int:
+        return self.max_kernel_rows * self.in_features
+
     def _a8(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and int8_mm_available():
             if self.bits == 4:
@@ -267,6 +285,18 @@ class QuantLinear(nn.Module):
             return a4_reference(x, self._prepare("a4-float", lambda: self._float_weight(
                 torch.float32)))
         return a8_reference(x, self.codes, self.scale[:, 0])
+
+    def _a16_operands(self) -> tuple | bool:
+        # int8_a16_mm's operands where _cpu_int takes that kernel for fp32 rows (per-channel
+        # int8 weights on a CPU, no activation quantization, permutation or zero points),
+        # else False; decided once a device (_apply clears _packed).
+        ops = self._packed.get("a16")
+        if ops is None:
+            ok = (self.kind == "int" and self.bits == 8 and self.group_size is None
+                  and self.act_quant is None and self.perm is None and self.zero is None
+                  and self.codes.device.type == "cpu")
+            ops = self._packed["a16"] = self.a8_operands() if ok else False
+        return ops
 
     def a8_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """W8A8's packed weights, scales and column sums (pack_a8), built once."""

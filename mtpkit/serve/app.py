@@ -60,6 +60,11 @@ class ServeConfig:
     max_connections: int = 1024  # open connections; more get 503
     chat_special_tokens: str = "text"  # "parse": control-token spellings in messages count
     log_level: str = "info"
+    # Build the compiled programs still missing in a low-priority child process (`mtpkit
+    # warmup`) and switch to them when done. Off for servers embedded in other code (and
+    # tests); `mtpkit serve` turns it on.
+    background_build: bool = False
+    threads: int | None = None  # --threads, passed on to the background build
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -111,6 +116,7 @@ class ServerState:
         # Parsing and tokenizing run here, never on the event loop: a long prompt must not
         # hold up /health or other clients' streams. Two threads bound what a flood can take.
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="mtpkit-tokenize")
+        self.builder = None  # the background build of compiled programs (subprocess.Popen)
 
     # -- loading (a thread of its own) ------------------------------------------------------
     def load(self) -> None:
@@ -147,6 +153,8 @@ class ServerState:
         fast = session.engine.fast
         if fast is not None:
             fast.warmup(k)  # loaded (or built, --compile aoti) before the first request
+            if fast.pending and cfg.background_build:
+                self.builder = _build_in_background(cfg, k)
         self.sched = Scheduler(
             model, tok, drafter=session.engine.drafter if k else None, num_draft_tokens=k,
             max_num_seqs=cfg.max_num_seqs, max_queue=cfg.max_queue, max_model_len=max_len,
@@ -158,6 +166,11 @@ class ServerState:
             how = (f"greedy requests on the fast path ({st.loaded + st.compiled} compiled "
                    "programs)" if st.loaded or st.compiled else
                    "greedy requests on the fast path (uncompiled programs)")
+            if self.builder is not None:
+                how += ("; building the compiled ones in the background (`mtpkit warmup`, "
+                        f"pid {self.builder.pid}, low priority), used as soon as they are built")
+            elif fast.pending:
+                how += "; run `mtpkit warmup` once to compile them"
         log.info("model %s loaded in %.1f s: %d draft tokens per step, %d slots, context %d, "
                  "%s", self.name, time.perf_counter() - t0, k, cfg.max_num_seqs, max_len, how)
 
@@ -559,8 +572,52 @@ def run(cfg: ServeConfig) -> int:
     state.on_fatal = state.on_drained = fatal
     host, port = sock.getsockname()[:2]
     log.info("listening on http://%s:%d (model %s loading)", host, port, state.name)
-    with contextlib.closing(sock):
-        server.run(sockets=[sock])
+    try:
+        with contextlib.closing(sock):
+            server.run(sockets=[sock])
+    finally:
+        _stop_builder(state.builder)
     if state.load_error:
         raise ValueError(state.load_error)
     return 0
+
+
+def _build_in_background(cfg: ServeConfig, k: int):
+    """Start `mtpkit warmup` for this server's model at the lowest CPU priority: it builds
+    the programs the server runs uncompiled meanwhile (FastDecoder picks them up when their
+    files appear), on CPU time that requests leave idle. Its output goes to a log file in
+    the compile cache."""
+    import os
+    import subprocess
+
+    from .. import threads
+    from ..engine.fast import default_cache_dir
+
+    cmd = [sys.executable, "-m", "mtpkit.cli", "warmup", "-k", str(k), "--device", cfg.device,
+           # The programs' key holds the thread count: build for the server's.
+           "--threads", str(cfg.threads or threads.limit())]
+    for flag, value in (("--model", cfg.model), ("--head", cfg.head), ("--dtype", cfg.dtype)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if cfg.full_draft_vocab:
+        cmd.append("--full-draft-vocab")
+    logs = default_cache_dir()
+    logs.mkdir(parents=True, exist_ok=True)
+    path = logs / "background-warmup.log"
+    with open(path, "ab") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                preexec_fn=lambda: os.nice(19))
+    log.info("compiled programs missing: building them in the background (log: %s)", path)
+    return proc
+
+
+def _stop_builder(proc) -> None:
+    # A build still running when the server ends stops with it (its partial file removed:
+    # warmup ends on SIGTERM as on an error); the next start builds again.
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except Exception:
+        proc.kill()

@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
                         "default: compiled where `mtpkit warmup` built them, else uncompiled; "
                         "aoti: build any missing before serving; eager: never compiled; off: "
                         "every request on the eager engine)")
+    p.add_argument("--no-background-build", action="store_true",
+                   help="with --compile auto, do not build missing compiled programs in a "
+                        "low-priority background process (`mtpkit warmup`) while serving")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
     p.add_argument("--full-draft-vocab", action="store_true",
@@ -85,7 +88,8 @@ def _cmd_serve(a) -> int:
         shutdown_timeout=a.shutdown_timeout, max_request_bytes=a.max_request_bytes,
         default_max_tokens=a.default_max_tokens, header_timeout=a.header_timeout,
         max_connections=a.max_connections, chat_special_tokens=a.chat_special_tokens,
-        log_level=a.log_level,
+        log_level=a.log_level, background_build=not a.no_background_build,
+        threads=a.threads,
     )
     cfg.validate()
     if a.model is not None:
