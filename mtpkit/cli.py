@@ -210,6 +210,7 @@ def _cmd_warmup(a) -> int:
     fast.warmup(k)
     if k:
         fast.warmup(0)
+    fast.warmup_pooled()  # what `mtpkit serve` runs for several requests at once
     st = fast.stats
     print(f"compiled programs for {session.name}: {st.compiled} built, {st.loaded} already "
           f"there, in {fast.cache_dir} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)

@@ -582,18 +582,34 @@ def _lockstep(dec: FastDecoder, gens: dict) -> tuple[dict, dict]:
 SCHEMES_BATCHED = ["llama", "qwen3", "w8a8-lm", "fp32"]
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["own-caches", "pooled"])
 @pytest.mark.parametrize("name", SCHEMES_BATCHED)
-def test_forks_stepped_together_keep_each_sequences_tokens(name, engine_factory,
+def test_forks_stepped_together_keep_each_sequences_tokens(name, pooled, engine_factory,
                                                            quantized_engines):
     """Forks (server slots) share the programs but not the caches. Three generations
     advanced together, their decode steps and rounds run as one trunk pass
     (FastDecoder.run_many), each give the tokens of a lone run, a prompt run in pieces
     included; and a row's bits do not depend on the rows beside it, so the tokens equal
-    the eager engine's too (fp32) or the lone fast path's (W8A8)."""
+    the eager engine's too (fp32) or the lone fast path's (W8A8). Pooled: the forks'
+    caches are slots of one pool (make_pool), the batched passes the trunk_pool and
+    head_pool programs."""
     engine = quantized_engines[name] if name in quantized_engines else engine_factory(name)
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
     assert dec.programs.batchable
-    forks = [dec.fork() for _ in range(3)]
+    if pooled and dec.programs.stacked_caches:
+        # W8A8 trunks run as one op over caches stacked a decoder: they do not pool.
+        assert not dec.make_pool(3) and dec.fork(0).slot is None
+        return
+    if pooled:
+        assert dec.make_pool(3)
+        forks = [dec.fork(i) for i in (2, 0, 1)]
+        # A slot's caches are views of the pool; the pool programs run the batched steps.
+        assert forks[0].kc[0].data_ptr() == dec._pool[0][0][2].data_ptr()
+        assert forks[1].hk.data_ptr() == dec._pool[2][0].data_ptr()
+        with pytest.raises(ValueError, match="outside the pool"):
+            dec.fork(3)
+    else:
+        forks = [dec.fork() for _ in range(3)]
     assert forks[0].programs is dec.programs and forks[0]._fns is dec._fns
     assert forks[0].kv[0] is not forks[1].kv[0] and forks[0].hk is not dec.hk
     long_prompt = [(7 * i) % 90 + 1 for i in range(23)]
@@ -623,6 +639,8 @@ def test_forks_stepped_together_keep_each_sequences_tokens(name, engine_factory,
         assert pieces[1] == (9 if k else 4)
     if name in ("llama", "qwen3"):
         assert want == [_eager(engine, p, 3)[0] for p in prompts]
+    if pooled:
+        assert {key[0] for key in dec._fns} >= {"trunk_pool", "head_pool"}
 
 
 def test_many_forks_past_the_kernels_row_limit_keep_each_sequences_tokens(quantized_engines,

@@ -77,6 +77,10 @@ SPAN_STEP = 64  # attention reads the cache up to the next multiple of this
 EXPLORE = 16  # a batched round in this many measures all drafts or none (_drafts_to_verify)
 QUANT_ROWS = 2  # trunk rows of every compiled step on quantized trunks: drafts k <= 1
 ADOPT_EVERY_S = 2.0  # how often uncompiled programs look for their built file (FastDecoder)
+POOL_KINDS = ("trunk_pool", "head_pool")  # programs over pooled caches (make_pool)
+# Rows a pooled step may have: a prompt's threshold for torch's GEMM (QuantLinear), which the
+# compiled pool programs are built below; steps of more rows take the unpooled passes.
+POOL_MAX_ROWS = 256
 DEFAULT_MAX_LEN = 2048  # cache positions of a FastDecoder unless the model's context is shorter
 
 
@@ -221,6 +225,14 @@ def _attend_seqs(attn: Attention, qkv, cos, sin, kbufs, vbufs, pos, sizes) -> to
     [1, N, Nq + 2 Nkv], sizes rows a sequence), each row's key and value written to its own
     sequence's caches at pos [N]: one kernel call where _attention made a call a sequence,
     with the same bits (the rotary is elementwise; csrc/attend_rows.cpp: attend_seqs)."""
+    q, k, v = _rotated_rows(attn, qkv, cos, sin)
+    out = torch.ops.mtpkit.attend_seqs(q, k, v, kbufs, vbufs, pos, sizes)
+    return out.view(1, qkv.shape[1], -1)
+
+
+def _rotated_rows(attn: Attention, qkv, cos, sin):
+    # qkv [1, N, Nq + 2 Nkv] -> the rows' rotated queries [N, H, hd], keys and values
+    # [N, Hkv, hd], as the row kernels take them.
     b, t = qkv.shape[:2]
     nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q, k, v = qkv.split([attn.q_proj.out_features, nkv * hd, nkv * hd], -1)
@@ -228,9 +240,16 @@ def _attend_seqs(attn: Attention, qkv, cos, sin, kbufs, vbufs, pos, sizes) -> to
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = Rotary.apply(q.transpose(1, 2), cos, sin), Rotary.apply(k.transpose(1, 2), cos, sin)
-    out = torch.ops.mtpkit.attend_seqs(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0],
-                                       kbufs, vbufs, pos, sizes)
-    return out.view(b, t, nh * hd)
+    return q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
+
+
+def _attend_pool(attn: Attention, qkv, cos, sin, kpool, vpool, slots, sizes, pos):
+    """_attend_seqs with the sequences' caches slots of one pool [S, Hkv, L, hd] (slots,
+    sizes int64 [B]): the same bits, and shapes that do not depend on the batch
+    (csrc/attend_rows.cpp: attend_pool)."""
+    q, k, v = _rotated_rows(attn, qkv, cos, sin)
+    out = torch.ops.mtpkit.attend_pool(q, k, v, kpool, vpool, slots, sizes, pos)
+    return out.view(1, qkv.shape[1], -1)
 
 
 def _out_proj(attn, out: torch.Tensor, gate: torch.Tensor | None, fused=None) -> torch.Tensor:
@@ -629,30 +648,68 @@ class Programs(nn.Module):
         m = self.model
         sizes = [ids.shape[1] for ids, *_ in seqs]
         x = m.model.embed_tokens(torch.cat([ids for ids, *_ in seqs], 1))
-        one = _seqs_kernel_fits(x, seqs[0][2][0])
-        if one:
+        if _seqs_kernel_fits(x, seqs[0][2][0]):
             pos = torch.cat([pos for _, pos, *_ in seqs])
-            cos, sin = self._cos_sin(pos)
-        else:
-            rope = [self._cos_sin(pos) for _, pos, *_ in seqs]
-            masks = [_mask(pos, _span(span, kc[0]), self.groups) for _, pos, kc, _, span in seqs]
+            post, x = self._layers_over(x, pos, lambda i, attn, qkv, cos, sin: _attend_seqs(
+                attn, qkv, cos, sin, [kc[i] for _, _, kc, _, _ in seqs],
+                [vc[i] for _, _, _, vc, _ in seqs], pos, sizes))
+            return list(zip(post.split(sizes, 1), x.split(sizes, 1), strict=True))
+        rope = [self._cos_sin(pos) for _, pos, *_ in seqs]
+        masks = [_mask(pos, _span(span, kc[0]), self.groups) for _, pos, kc, _, span in seqs]
         for i, layer in enumerate(m.model.layers):
             f = None if self.fused is None else self.fused[i]
             attn = layer.self_attn
             qkv = _qkv_rows(attn, layer.input_layernorm(x), f)
-            if one:
-                heads = _attend_seqs(attn, qkv, cos, sin, [kc[i] for _, _, kc, _, _ in seqs],
-                                     [vc[i] for _, _, _, vc, _ in seqs], pos, sizes)
-            else:
-                heads = torch.cat([
-                    _attention(attn, None, cos, sin, kc[i], vc[i], pos, mask, part.shape[1],
-                               qkv=part, project=False)
-                    for (_, pos, kc, vc, _), (cos, sin), mask, part
-                    in zip(seqs, rope, masks, qkv.split(sizes, 1), strict=True)], 1)
+            heads = torch.cat([
+                _attention(attn, None, cos, sin, kc[i], vc[i], pos, mask, part.shape[1],
+                           qkv=part, project=False)
+                for (_, pos, kc, vc, _), (cos, sin), mask, part
+                in zip(seqs, rope, masks, qkv.split(sizes, 1), strict=True)], 1)
             x = x + _lin(f, "o_proj", attn.o_proj)(heads)
             x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x), f)
         post = m.model.norm(x)
         return list(zip(post.split(sizes, 1), x.split(sizes, 1), strict=True))
+
+    def _layers_over(self, x, pos, attend):
+        # The trunk's layers over rows x [1, N, D] at positions pos [N], each layer's heads
+        # from attend(i, attn, qkv, cos, sin) -> (after, before the final norm).
+        m = self.model
+        cos, sin = self._cos_sin(pos)
+        for i, layer in enumerate(m.model.layers):
+            f = None if self.fused is None else self.fused[i]
+            attn = layer.self_attn
+            qkv = _qkv_rows(attn, layer.input_layernorm(x), f)
+            x = x + _lin(f, "o_proj", attn.o_proj)(attend(i, attn, qkv, cos, sin))
+            x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x), f)
+        return m.model.norm(x), x
+
+    @every_row_exact()
+    def trunk_pool(self, ids, pos, slots, sizes, kpools, vpools):
+        """trunk_rows over pooled caches: rows ids [1, N] at pos [N], sizes[b] of them
+        sequence b's, whose caches are slot slots[b] of every layer's pools [S, Hkv, L, hd]
+        -> (the target's argmax a row [N], the state the head reads [1, N, D]). No shape
+        depends on the batch, so one compiled program takes them all."""
+        x = self.model.model.embed_tokens(ids)
+        post, pre = self._layers_over(x, pos, lambda i, attn, qkv, cos, sin: _attend_pool(
+            attn, qkv, cos, sin, kpools[i], vpools[i], slots, sizes, pos))
+        spec = self.model.mtp.spec if self.model.mtp is not None else None
+        hidden = pre if spec is not None and spec.trunk_hidden != "post_norm" else post
+        return argmax_rows(self.logits(post[0])), hidden
+
+    @every_row_exact()
+    def head_pool(self, ids, states, pos, slots, sizes, hk, hv):
+        """head_rows over pooled head caches hk, hv [S, Hkv, L, hd] -> (the state the draft
+        is picked from, the state the next draft step reads) [1, N, D]."""
+        mtp = self.model.mtp
+        x = self._head_input(ids, states)
+        layer = mtp.layers[0]
+        attn = layer.self_attn
+        qkv = _qkv_rows(attn, layer.input_layernorm(x))
+        cos, sin = self._cos_sin(pos)
+        x = x + attn.o_proj(_attend_pool(attn, qkv, cos, sin, hk, hv, slots, sizes, pos))
+        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+        post = mtp.norm(x)
+        return post, (post if mtp.spec.chain_hidden == "post_norm" else x)
 
     @every_row_exact()
     def decode_many(self, items):
@@ -663,38 +720,37 @@ class Programs(nn.Module):
         return list(picks.split(1))
 
     @every_row_exact()
-    def round_many(self, items, k: int):
+    def round_many(self, items, k: int, trunk=None, head=None):
         """round() of several sequences, items = [(tokens, pos0, kc, vc, hk, hv, span)],
-        with one trunk pass and one head pass per draft step -> [(out, probs)]."""
-        spec = self.model.mtp.spec
+        with one trunk pass and one head pass per draft step -> [(out, probs)].
+        ``trunk(seqs)`` -> (the target's argmaxes [N], the head's input state a sequence)
+        and ``head(seqs)`` -> [(draft state, chained state)] a sequence run the passes
+        (default: trunk_rows and head_rows over the items' own caches)."""
+        trunk = trunk or self._trunk_targets
+        head = head or self._head_states
         dev = items[0][0].device
         poss = [pos0 + torch.arange(tokens.shape[1], device=dev)
                 for tokens, pos0, *_ in items]
         seqs = [(tokens, pos, kc, vc, span)
                 for (tokens, _, kc, vc, _, _, span), pos in zip(items, poss, strict=True)]
-        states = self.trunk_rows(seqs)
-        targets = argmax_rows(self.logits(torch.cat([p for p, _ in states], 1)[0]))
+        targets, hidden = trunk(seqs)
         targets = targets.split([tokens.shape[1] for tokens, *_ in items])
         ns = [_accepted(tokens, target)
               for (tokens, *_), target in zip(items, targets, strict=True)]
         # Head catch-up over every sequence's positions with its target tokens (round()).
-        hidden = [post if spec.trunk_hidden == "post_norm" else pre for post, pre in states]
-        heads = self.head_rows([(target[None], h, pos, hk, hv, span)
-                                for target, h, pos, (_, _, _, _, hk, hv, span)
-                                in zip(targets, hidden, poss, items, strict=True)])
-        chain_post = spec.chain_hidden == "post_norm"
+        heads = head([(target[None], h, pos, hk, hv, span)
+                      for target, h, pos, (_, _, _, _, hk, hv, span)
+                      in zip(targets, hidden, poss, items, strict=True)])
         post = torch.cat([hp[0].index_select(0, n) for (hp, _), n in zip(heads, ns, strict=True)])
-        state = torch.cat([(hp if chain_post else hq)[0].index_select(0, n)
-                           for (hp, hq), n in zip(heads, ns, strict=True)])
+        state = torch.cat([hs[0].index_select(0, n) for (_, hs), n in zip(heads, ns, strict=True)])
         tok, p = self.draft_pick(post)  # [B] each
         drafts, ps = [tok], [p]
         pos = torch.cat([pos0 + n + 1 for (_, pos0, *_), n in zip(items, ns, strict=True)])
         for _ in range(k - 1):
-            step = self.head_rows([(tok[b].view(1, 1), state[b].view(1, 1, -1), pos[b:b + 1],
-                                    hk, hv, span)
-                                   for b, (_, _, _, _, hk, hv, span) in enumerate(items)])
+            step = head([(tok[b].view(1, 1), state[b].view(1, 1, -1), pos[b:b + 1], hk, hv, span)
+                         for b, (_, _, _, _, hk, hv, span) in enumerate(items)])
             post = torch.cat([hp[0] for hp, _ in step])
-            state = torch.cat([(hp if chain_post else hq)[0] for hp, hq in step])
+            state = torch.cat([hs[0] for _, hs in step])
             tok, p = self.draft_pick(post)
             drafts.append(tok)
             ps.append(p)
@@ -702,6 +758,18 @@ class Programs(nn.Module):
         drafts, ps = torch.stack(drafts, 1), torch.stack(ps, 1)  # [B, k]
         return [(torch.cat([target, n, drafts[b]]), ps[b])
                 for b, (target, n) in enumerate(zip(targets, ns, strict=True))]
+
+    def _trunk_targets(self, seqs):
+        # round_many's default trunk pass: trunk_rows over the sequences' own caches.
+        states = self.trunk_rows(seqs)
+        targets = argmax_rows(self.logits(torch.cat([p for p, _ in states], 1)[0]))
+        post_norm = self.model.mtp.spec.trunk_hidden == "post_norm"
+        return targets, [post if post_norm else pre for post, pre in states]
+
+    def _head_states(self, seqs):
+        # round_many's default head pass: head_rows over the sequences' own head caches.
+        chain_post = self.model.mtp.spec.chain_hidden == "post_norm"
+        return [(hp, hp if chain_post else hq) for hp, hq in self.head_rows(seqs)]
 
     @every_row_exact()
     def head_rows(self, seqs):
@@ -896,6 +964,8 @@ class FastDecoder:
         self.device = model.model.embed_tokens.weight.device
         self.max_len = max(4, -(-max_len // SPAN_STEP)) * SPAN_STEP
         self.programs.set_positions(self.max_len + SPAN_STEP)
+        self.slot: int | None = None  # this fork's slot in the pool (make_pool)
+        self._pool: tuple | None = None
         self._alloc_caches()
         self._fns: dict[tuple, object] = {}
         # backend auto: programs running uncompiled because their file was not built yet
@@ -950,12 +1020,55 @@ class FastDecoder:
         if model.mtp is not None:
             self.hk, self.hv = buf(), buf()
 
-    def fork(self) -> FastDecoder:
+    def fork(self, slot: int | None = None) -> FastDecoder:
         """A decoder with caches of its own that shares this one's programs (a server slot:
-        sequences never share a cache, and every slot runs the same programs)."""
+        sequences never share a cache, and every slot runs the same programs); ``slot``:
+        its caches are that slot of the pool (make_pool), where there is one."""
         twin = copy.copy(self)
-        twin._alloc_caches()
+        if slot is None or self._pool is None:
+            twin._alloc_caches()
+            return twin
+        kpools, vpools, hk, hv = self._pool
+        if not 0 <= slot < kpools[0].shape[0]:
+            raise ValueError(f"slot {slot} is outside the pool of {kpools[0].shape[0]}")
+        twin.slot = slot
+        twin.kc = [p[slot : slot + 1] for p in kpools]
+        twin.vc = [p[slot : slot + 1] for p in vpools]
+        twin.kv = (twin.kc, twin.vc)
+        twin.hk = None if hk is None else hk[slot : slot + 1]
+        twin.hv = None if hv is None else hv[slot : slot + 1]
         return twin
+
+    @property
+    def poolable(self) -> bool:
+        """Whether batched steps can run on pooled caches (trunk_pool/head_pool): batchable
+        programs on mtpkit's row kernels, caches one tensor a layer."""
+        return (self.programs.batchable and not self.programs.stacked_caches
+                and row_kernel_fits(self.kc[0], self.kc[0]))
+
+    def make_pool(self, n: int) -> bool:
+        """Allocate caches for n forks as slots of one tensor a layer (fork(slot)), so
+        that a batched step of any of them is one program call (run_many); False (and
+        nothing allocated) where the decoder cannot pool."""
+        if not self.poolable:
+            return False
+        self._pool = self._pools(n)
+        return True
+
+    def _pools(self, n: int) -> tuple:
+        # Zeroed pools [n, Hkv, L, hd] a layer (and the head's), as _alloc_caches' buffers.
+        shape = (n, *self.kc[0].shape[1:])
+        dtype, dev = self.kc[0].dtype, self.device
+        with torch.inference_mode(False):
+            def buf():
+                return torch.zeros(shape, dtype=dtype, device=dev)
+            layers = len(self.kc)
+            kpools = [buf() for _ in range(layers)]
+            vpools = [buf() for _ in range(layers)]
+            hk = hv = None
+            if self.hk is not None:
+                hk, hv = buf(), buf()
+        return kpools, vpools, hk, hv
 
     # -- programs --------------------------------------------------------------------------
     def span(self, need: int) -> torch.Tensor:
@@ -973,6 +1086,17 @@ class FastDecoder:
     def _example(self, kind: str, t: int) -> tuple:
         dev = self.device
         z = torch.zeros(1, dtype=torch.long, device=dev)
+        if kind in POOL_KINDS:
+            # Three rows of two sequences in a pool of four: sizes distinct from one
+            # another, and none 0 or 1, which export would specialize on.
+            kpools, vpools, hk, hv = self._pools(4)
+            rows = (z.new_zeros(1, 3), torch.arange(3, device=dev),
+                    torch.tensor([3, 1], device=dev), torch.tensor([2, 1], device=dev))
+            if kind == "trunk_pool":
+                return (*rows, kpools, vpools)
+            state = torch.zeros(1, 3, self.model.config.hidden_size, device=dev,
+                                dtype=self.kc[0].dtype)
+            return (rows[0], state, *rows[1:], hk, hv)
         # An example span strictly inside its range, or export pins the length to it.
         span = self.span(2 * SPAN_STEP)
         if kind == "decode":
@@ -985,7 +1109,17 @@ class FastDecoder:
             return (z.view(1, 1), state, z, self.hk, self.hv, span)
         return (z.new_zeros(1, t), z, *self.kv, self.hk, self.hv, span)
 
-    def _dynamic_shapes(self, example: tuple) -> dict:
+    def _dynamic_shapes(self, example: tuple, kind: str = "") -> dict:
+        if kind in POOL_KINDS:
+            # Rows, sequences and pool slots all dynamic: one program for every batch.
+            n = torch.export.Dim("rows", min=2, max=POOL_MAX_ROWS)
+            b = torch.export.Dim("seqs", min=2, max=POOL_MAX_ROWS)
+            sl = torch.export.Dim("slots", min=2, max=4096)
+            if kind == "head_pool":  # ids, states, pos, slots, sizes, hk, hv
+                return {"args": ({1: n}, {1: n}, {0: n}, {0: b}, {0: b}, {0: sl}, {0: sl})}
+            layers = len(example[4])  # ids, pos, slots, sizes, kpools, vpools
+            return {"args": ({1: n}, {0: n}, {0: b}, {0: b}, [{0: sl}] * layers,
+                             [{0: sl}] * layers)}
         # Everything static but the span's length, a multiple of SPAN_STEP.
         blocks = torch.export.Dim("span_blocks", min=2, max=self.max_len // SPAN_STEP)
         spec = []
@@ -1119,7 +1253,7 @@ class FastDecoder:
                   f"on 2 cores) into {path.parent}", file=sys.stderr)
             path.parent.mkdir(parents=True, exist_ok=True)
             ep = torch.export.export(step, example, strict=False,
-                                     dynamic_shapes=self._dynamic_shapes(example))
+                                     dynamic_shapes=self._dynamic_shapes(example, kind))
             fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
             os.close(fd)
             try:
@@ -1181,6 +1315,16 @@ class FastDecoder:
                 self.program("decode")
             else:
                 self.program("round", t, k)
+        return time.perf_counter() - t0
+
+    def warmup_pooled(self) -> float:
+        """Build or load the programs of batched steps over pooled caches (a server's);
+        seconds taken (nothing where the decoder cannot pool)."""
+        t0 = time.perf_counter()
+        if self.poolable:
+            self.program("trunk_pool")
+            if self.has_mtp:
+                self.program("head_pool")
         return time.perf_counter() - t0
 
     # -- generation ------------------------------------------------------------------------
@@ -1290,16 +1434,22 @@ class FastDecoder:
                 continue
             threads.tick()
             t0 = time.perf_counter()
+            group = [steps[i] for i in idx]
+            pooled = (self._pool is not None and all(st.slot is not None for st in group)
+                      and sum(st.t for st in group) <= POOL_MAX_ROWS)
             if kind == "decode":
-                got = pr.decode_many([steps[i].args for i in idx])
+                if pooled:
+                    got = self._decode_pooled(group)
+                else:
+                    got = pr.decode_many([st.args for st in group])
                 self._timed((kind, k, n), time.perf_counter() - t0)
             else:
-                group = [steps[i] for i in idx]
                 take = self._drafts_to_verify(group, k)
                 # Fewer rows verified: the pending token and the drafts chosen.
                 args = [(st.args[0][:, : c + 1], *st.args[1:])
                         for st, c in zip(group, take, strict=True)]
-                got = pr.round_many(args, k)
+                passes = self._pooled_passes(group) if pooled else {}
+                got = pr.round_many(args, k, **passes)
                 seconds = time.perf_counter() - t0
                 self._timed((kind, k, n), seconds)
                 self._round_costs.setdefault((k, n), RoundCosts()).record(n + sum(take),
@@ -1307,6 +1457,43 @@ class FastDecoder:
             for i, g in zip(idx, got, strict=True):
                 out[i] = g
         return out
+
+    def _decode_pooled(self, group: list[Step]) -> list:
+        # Decode steps of pooled forks as one trunk_pool call -> [next token [1]].
+        ids = torch.cat([st.args[0] for st in group], 1)
+        pos = torch.cat([st.args[1] for st in group])
+        slots = torch.tensor([st.slot for st in group], device=self.device)
+        kpools, vpools, _, _ = self._pool
+        targets, _ = self.program("trunk_pool")(ids, pos, slots, torch.ones_like(slots),
+                                                kpools, vpools)
+        return list(targets.split(1))
+
+    def _pooled_passes(self, group: list[Step]) -> dict:
+        # round_many's trunk and head passes for pooled forks: one trunk_pool call and one
+        # head_pool call a pass, whatever the batch (each sequence's caches are its slot).
+        slots = torch.tensor([st.slot for st in group], device=self.device)
+        kpools, vpools, hk, hv = self._pool
+        trunk_fn, head_fn = self.program("trunk_pool"), self.program("head_pool")
+
+        def sizes_of(seqs):
+            sizes = [ids.shape[1] for ids, *_ in seqs]
+            return sizes, torch.tensor(sizes, device=self.device)
+
+        def trunk(seqs):
+            sizes, st = sizes_of(seqs)
+            targets, hidden = trunk_fn(torch.cat([ids for ids, *_ in seqs], 1),
+                                       torch.cat([pos for _, pos, *_ in seqs]), slots, st,
+                                       kpools, vpools)
+            return targets, list(hidden.split(sizes, 1))
+
+        def head(seqs):
+            sizes, st = sizes_of(seqs)
+            post, chain = head_fn(torch.cat([ids for ids, *_ in seqs], 1),
+                                  torch.cat([h for _, h, *_ in seqs], 1),
+                                  torch.cat([pos for _, _, pos, *_ in seqs]), slots, st, hk, hv)
+            return list(zip(post.split(sizes, 1), chain.split(sizes, 1), strict=True))
+
+        return {"trunk": trunk, "head": head}
 
     def _drafts_to_verify(self, group: list[Step], k: int) -> list[int]:
         # How many of its drafts each sequence of a batched round verifies (engine/budget.py):
@@ -1392,7 +1579,7 @@ class FastDecoder:
                 with torch.inference_mode():  # compiled programs' guards check the mode
                     args = (pending.view(1, 1), torch.tensor([at], device=dev), *self.kv,
                             self.span(at + SPAN_STEP))
-                nxt = yield Step("decode", 1, 0, args)
+                nxt = yield Step("decode", 1, 0, args, slot=self.slot)
                 m.record(0, 0)
                 emitted = [int(nxt)]
                 at += 1
@@ -1407,7 +1594,7 @@ class FastDecoder:
                 tokens = torch.cat([pending.view(1), drafts[:kk]])[None]
                 args = (tokens, torch.tensor([at], device=dev), *self.kv, self.hk, self.hv,
                         self.span(at + max(SPAN_STEP, 2 * k + 2)))
-            out, probs = yield Step("round", t, k, args, probs[:kk])
+            out, probs = yield Step("round", t, k, args, probs[:kk], slot=self.slot)
             vals = out.tolist()  # the one host read per round
             # A batched round may have verified fewer of the drafts (run_many).
             t = len(vals) - 1 - k
@@ -1433,6 +1620,7 @@ class Step:
     k: int  # draft depth (round)
     args: tuple  # the program's arguments: tokens, position, the generation's caches, span
     probs: torch.Tensor | None = None  # round: the head's probabilities of its drafts [t - 1]
+    slot: int | None = None  # the generation's slot in its decoder's pool (make_pool)
 
 
 class _Loaded:

@@ -120,6 +120,7 @@ def _build() -> None:
     torch.library.register_fake("mtpkit::w8a8_trunk")(_fake_layer)
     torch.library.register_fake("mtpkit::w8a8_trunk_kv")(_fake_layer)
     torch.library.register_fake("mtpkit::attend_rows")(_fake_attend)
+    torch.library.register_fake("mtpkit::attend_pool")(_fake_attend_pool)
     torch.library.register_fake("mtpkit::argmax_rows")(_fake_argmax)
 
 
@@ -178,6 +179,10 @@ def _fake_attend(q, k, v, pos, rows):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2])
 
 
+def _fake_attend_pool(q, *_):
+    return q.new_empty(q.shape)
+
+
 def _fake_argmax(x):
     return x.new_empty(x.shape[0], dtype=torch.long)
 
@@ -186,7 +191,7 @@ def _fake_argmax(x):
 # in order, then the output.
 _OPS = ("int8_mm", "int8_a8_mm", "int8_a16_mm", "f32_mm", "int4_a8_mm", "w8a8_pre", "w8a8_post",
         "w8a8_attn_post", "w8a8_layer", "w8a8_trunk", "w8a8_trunk_kv", "attend_rows",
-        "argmax_rows")
+        "attend_pool", "argmax_rows")
 # A Tensor[] argument comes as an array of handles and its length (AOTInductor's convention).
 _C_TYPES = {"Tensor": "AtenTensorHandle {}", "int": "int64_t {}", "SymInt": "int64_t {}",
             "float": "double {}", "List[Tensor]": "const AtenTensorHandle* {0}, int64_t {0}_len_"}

@@ -485,7 +485,8 @@ class RowExactLinear(nn.Module):
         """x [..., K] -> [..., N]."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] > self.max_kernel_rows and not getattr(_every_row, "on", False):
+        # The flag first: a traced row count compared with the limit becomes a guard.
+        if not getattr(_every_row, "on", False) and x2.shape[0] > self.max_kernel_rows:
             return F.linear(x, self.weight.to(x.dtype), self.bias)
         out = torch.ops.mtpkit.f32_mm(x2.contiguous(), self.weight)
         if self.bias is not None:

@@ -153,6 +153,7 @@ class ServerState:
         fast = session.engine.fast
         if fast is not None:
             fast.warmup(k)  # loaded (or built, --compile aoti) before the first request
+            fast.warmup_pooled()  # the batched steps' programs
             if fast.pending and cfg.background_build:
                 self.builder = _build_in_background(cfg, k)
         self.sched = Scheduler(

@@ -144,7 +144,7 @@ class _Slot:
         """The slot's FastDecoder (the server's programs, the slot's own caches), made on
         the first greedy request it serves; None when the model has none."""
         if self._fast is None and self._fast_source is not None:
-            self._fast = self._fast_source.fork()
+            self._fast = self._fast_source.fork(self.index)
         return self._fast
 
 
@@ -438,6 +438,10 @@ class Scheduler:
         # ``fast``: a FastDecoder whose programs serve the greedy requests (each slot forks
         # caches of its own from it); sampled requests run the eager engine.
         self.fast = fast
+        if fast is not None:
+            # Every slot's caches a slot of one pool: a step of any running sequences is
+            # then one program call (FastDecoder.run_many), compiled for all batches.
+            fast.make_pool(max_num_seqs)
         self._free = [_Slot(i, model, tokenizer, max_model_len, drafter, prefill_chunk, fast)
                       for i in range(max_num_seqs)]
         self._waiting: deque[Request] = deque()

@@ -83,6 +83,38 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at
 //   sequences made some twenty PyTorch calls a sequence (the copies, the attention, views).
 static at::Tensor attend_seqs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               at::TensorList kbufs, at::TensorList vbufs, const at::Tensor& pos_,
+                              at::IntArrayRef sizes);
+
+// mtpkit::attend_pool(q, k, v, kpool, vpool, slots, sizes, pos) -> out: attend_seqs with every
+// sequence's cache a slot of one pool, kpool/vpool float32 [S, Hkv, L, D], sequence b's at
+// slots[b] (int64 [B]), sizes int64 [B]. The same computation, row for row; what differs is
+// that the sequences are tensors, not lists, so a compiled program takes any batch (its
+// shapes do not depend on how many sequences there are, nor on which slots they hold).
+static at::Tensor attend_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              at::Tensor& kpool, at::Tensor& vpool, const at::Tensor& slots_,
+                              const at::Tensor& sizes_, const at::Tensor& pos) {
+  TORCH_CHECK(kpool.dim() == 4 && kpool.sizes() == vpool.sizes(),
+              "attend_pool: kpool/vpool [S, Hkv, L, D]");
+  TORCH_CHECK(slots_.dim() == 1 && sizes_.dim() == 1 && slots_.size(0) == sizes_.size(0) &&
+                  slots_.scalar_type() == at::kLong && sizes_.scalar_type() == at::kLong,
+              "attend_pool: slots and sizes int64 [B]");
+  const at::Tensor slots = slots_.contiguous(), sizes = sizes_.contiguous();
+  const int64_t B = slots.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  std::vector<at::Tensor> kb, vb;
+  kb.reserve(B);
+  vb.reserve(B);
+  for (int64_t b = 0; b < B; b++) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < kpool.size(0), "attend_pool: slot outside the pool");
+    kb.push_back(kpool.narrow(0, sp[b], 1));
+    vb.push_back(vpool.narrow(0, sp[b], 1));
+  }
+  const int64_t* zp = sizes.data_ptr<int64_t>();
+  return attend_seqs(q, k, v, kb, vb, pos, at::IntArrayRef(zp, B));
+}
+
+static at::Tensor attend_seqs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              at::TensorList kbufs, at::TensorList vbufs, const at::Tensor& pos_,
                               at::IntArrayRef sizes) {
 #if defined(__AVX2__) && defined(__FMA__)
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
@@ -156,13 +188,20 @@ TORCH_LIBRARY_FRAGMENT(mtpkit, m) {
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor pos, int rows) -> Tensor");
   m.def("attend_seqs(Tensor q, Tensor k, Tensor v, Tensor(a!)[] kbufs, Tensor(b!)[] vbufs, "
         "Tensor pos, int[] sizes) -> Tensor");
+  m.def("attend_pool(Tensor q, Tensor k, Tensor v, Tensor(a!) kpool, Tensor(b!) vpool, "
+        "Tensor slots, Tensor sizes, Tensor pos) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(mtpkit, CPU, m) {
   m.impl("attend_rows", &attend_rows);
   m.impl("attend_seqs", &attend_seqs);
+  m.impl("attend_pool", &attend_pool);
 }
 
 MTPKIT_AOTI_SHIM(attend_rows,
                  (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle pos, int64_t rows, AtenTensorHandle* ret0),
                  (q, k, v, pos),
                  attend_rows(arg(q), arg(k), arg(v), arg(pos), rows))
+MTPKIT_AOTI_SHIM(attend_pool,
+                 (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle kpool, AtenTensorHandle vpool, AtenTensorHandle slots, AtenTensorHandle sizes, AtenTensorHandle pos, AtenTensorHandle* ret0),
+                 (q, k, v, kpool, vpool, slots, sizes, pos),
+                 attend_pool(arg(q), arg(k), arg(v), mut(kpool), mut(vpool), arg(slots), arg(sizes), arg(pos)))
