@@ -773,3 +773,35 @@ def test_auto_backend_adopts_programs_built_meanwhile(engine_factory, tmp_path, 
     broken = dec._aoti_path("round", 2, 1)
     broken.write_bytes(b"not a program")
     assert dec.program("round", 2, 1) is step and dec.pending == []
+
+
+def test_compiled_pool_programs_batch_any_sequences_exactly(quantized_engines, tmp_path,
+                                                            monkeypatch):
+    """The pool programs, compiled ahead of time once (rows, sequences and pool slots
+    dynamic), step 2 and then 3 pooled forks together (every batch through them) with
+    each sequence's lone tokens; they call attend_pool through its C entry point and write
+    the pools in place (no copy of them)."""
+    import zipfile
+
+    engine = quantized_engines["w8a16-lm"]
+    dec = FastDecoder(engine.model, backend="aoti", mode="default", max_len=128,
+                      cache_dir=tmp_path)
+    assert dec.make_pool(4)
+    monkeypatch.setattr(FastDecoder, "_batch_pays", lambda self, kind, k, n: True)
+    prompts = [PROMPTS[0], PROMPTS[1], [(5 * i) % 90 + 1 for i in range(11)]]
+    for k in (0, 1):
+        want = [_eager(engine, p, k, max_tokens=16)[0] for p in prompts]
+        for n in (2, 3):
+            forks = [dec.fork(slot) for slot in (3, 0, 2)[:n]]
+            gens = {i: f.steps(p, 16, k, result=Result(), eos_ids=set())
+                    for i, (f, p) in enumerate(zip(forks, prompts, strict=False))}
+            got, _ = _lockstep(dec, gens)
+            assert [got[i] for i in range(n)] == want[:n], (k, n)
+    packages = {p.name.split("-")[0]: p for p in tmp_path.glob("*_pool-*.pt2")}
+    assert set(packages) == {"trunk_pool", "head_pool"}
+    for package in packages.values():
+        with zipfile.ZipFile(package) as z:
+            wrapper = "".join(z.read(n).decode() for n in z.namelist()
+                              if n.endswith(".wrapper.cpp"))
+        assert "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_attend_pool(" in wrapper
+        assert "aoti_torch_clone" not in wrapper and "aoti_torch_copy_" not in wrapper
