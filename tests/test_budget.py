@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from mtpkit.engine.budget import RoundCosts, choose_drafts, top_drafts
+from mtpkit.engine.budget import RoundCosts, choose_drafts, drafting_pays, top_drafts
 
 
 def _rate(probs, take, cost):
@@ -70,3 +70,36 @@ def test_round_costs_estimate_from_measured_rows():
     assert costs.estimate(6) == pytest.approx(0.053)
     assert costs.estimate(3) is None and costs.estimate(9) is None
     assert costs.turns == 3
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_drafting_pays_against_brute_force(seed):
+    """drafting_pays says yes exactly when some number of drafts a sequence, all sequences
+    alike, yields more tokens per second than rounds without drafts (a slow reference:
+    every j tried, E_j as the product of the mean probabilities)."""
+    rng = random.Random(seed)
+    n, k = rng.randint(1, 8), rng.randint(1, 4)
+    probs = [rng.random() for _ in range(k)]
+    per_row = rng.uniform(0.5, 2.0)
+    fixed = rng.uniform(0.0, 10.0)  # the drafting round's own cost (the head)
+
+    def cost(rows):
+        return fixed + per_row * rows
+
+    lean = per_row * n * rng.uniform(0.7, 1.3)
+    best = 0.0
+    for j in range(1, k + 1):
+        tokens = n * (1 + sum(math.prod(probs[: i + 1]) for i in range(j)))
+        best = max(best, tokens / cost(n + n * j))
+    assert drafting_pays(probs, n, cost, lean) == (best > n / lean)
+
+
+def test_drafting_pays_only_for_drafts_worth_their_rows():
+    """Sure drafts on rows cheaper than a token pay (but not on rows that cost a token
+    each); drafts never accepted never do; a drafting round whose head costs as much as
+    the trunk pays only with good drafts."""
+    assert drafting_pays([1.0], 4, lambda rows: 2 + rows / 2, 4.0)
+    assert not drafting_pays([1.0], 4, lambda rows: rows, 4.0)
+    assert not drafting_pays([0.0, 0.0], 4, lambda rows: rows, 4.0)
+    assert not drafting_pays([0.5], 8, lambda rows: 8 + rows, 8.0)
+    assert drafting_pays([0.95, 0.9], 8, lambda rows: 8 + rows, 40.0)

@@ -585,7 +585,7 @@ SCHEMES_BATCHED = ["llama", "qwen3", "w8a8-lm", "fp32"]
 @pytest.mark.parametrize("pooled", [False, True], ids=["own-caches", "pooled"])
 @pytest.mark.parametrize("name", SCHEMES_BATCHED)
 def test_forks_stepped_together_keep_each_sequences_tokens(name, pooled, engine_factory,
-                                                           quantized_engines):
+                                                           quantized_engines, monkeypatch):
     """Forks (server slots) share the programs but not the caches. Three generations
     advanced together, their decode steps and rounds run as one trunk pass
     (FastDecoder.run_many), each give the tokens of a lone run, a prompt run in pieces
@@ -596,6 +596,8 @@ def test_forks_stepped_together_keep_each_sequences_tokens(name, pooled, engine_
     engine = quantized_engines[name] if name in quantized_engines else engine_factory(name)
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
     assert dec.programs.batchable
+    # Every batched round drafts (the rounds that do not: test_lean_rounds_...).
+    monkeypatch.setattr(FastDecoder, "_lean", lambda self, k, n: False)
     if pooled and dec.programs.stacked_caches:
         # W8A8 trunks run as one op over caches stacked a decoder: they do not pool.
         assert not dec.make_pool(3) and dec.fork(0).slot is None
@@ -805,3 +807,30 @@ def test_compiled_pool_programs_batch_any_sequences_exactly(quantized_engines, t
                               if n.endswith(".wrapper.cpp"))
         assert "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_attend_pool(" in wrapper
         assert "aoti_torch_clone" not in wrapper and "aoti_torch_copy_" not in wrapper
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["own-caches", "pooled"])
+def test_lean_rounds_keep_each_sequences_tokens(pooled, engine_factory, monkeypatch):
+    """Batched rounds that draft nothing (where drafting does not pay: FastDecoder._lean)
+    interleaved with drafting ones, and placeholder drafts verified now and then: every
+    sequence's tokens stay those of its lone run, and no placeholder is counted as a
+    draft unless verified."""
+    engine = engine_factory("llama")
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    if pooled:
+        assert dec.make_pool(3)
+    forks = [dec.fork(i if pooled else None) for i in range(3)]
+    turns = iter(range(10_000))
+    monkeypatch.setattr(FastDecoder, "_lean", lambda self, k, n: next(turns) % 3 != 0)
+    monkeypatch.setattr(FastDecoder, "_batch_pays", lambda self, kind, k, n: True)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    for k in (1, 3):
+        want = [_fast(dec, p, k)[0] for p in prompts]
+        results = [Result() for _ in prompts]
+        gens = {i: f.steps(p, 24, k, result=r, eos_ids=set())
+                for i, (f, p, r) in enumerate(zip(forks, prompts, results, strict=True))}
+        got, _ = _lockstep(dec, gens)
+        assert [got[i] for i in range(3)] == want, k
+        for r in results:
+            assert r.metrics.num_accepted_tokens <= r.metrics.num_draft_tokens
+    assert dec._lean_costs and dec._draft_p

@@ -87,3 +87,22 @@ class RoundCosts:
         if above and any(r < rows for r in self.seconds):
             return self.seconds[min(above)]
         return None
+
+
+def drafting_pays(mean_probs: list[float], n: int, cost: Callable[[int], float | None],
+                  lean_seconds: float) -> bool:
+    """Whether n sequences drafting yield more tokens per second than rounds that draft
+    nothing (lean_seconds each), given the head's mean probability at each draft position
+    and cost(rows) of a drafting round."""
+    # With every sequence verifying j drafts, a round yields n (1 + E_1 + .. + E_j) tokens,
+    # E_j = p_1 .. p_j, at cost(n + n j); a lean round n tokens at lean_seconds. Drafting
+    # pays when some j beats the lean rate (j = 0 never does: it drafts for nothing).
+    lean = n / lean_seconds
+    e, tokens = 1.0, float(n)
+    for j, p in enumerate(mean_probs, 1):
+        e *= min(max(p, 0.0), 1.0)
+        tokens += n * e
+        seconds = cost(n + n * j)
+        if seconds is not None and seconds > 0 and tokens / seconds > lean:
+            return True
+    return False

@@ -67,7 +67,7 @@ from ..quant.linear import (
     linear_rows,
     stack_outputs,
 )
-from .budget import RoundCosts, choose_drafts, top_drafts
+from .budget import RoundCosts, choose_drafts, drafting_pays, top_drafts
 from .generate import Result, emit
 
 BACKENDS = ("auto", "aoti", "inductor", "eager")
@@ -720,12 +720,16 @@ class Programs(nn.Module):
         return list(picks.split(1))
 
     @every_row_exact()
-    def round_many(self, items, k: int, trunk=None, head=None):
+    def round_many(self, items, k: int, trunk=None, head=None, lean: bool = False):
         """round() of several sequences, items = [(tokens, pos0, kc, vc, hk, hv, span)],
         with one trunk pass and one head pass per draft step -> [(out, probs)].
         ``trunk(seqs)`` -> (the target's argmaxes [N], the head's input state a sequence)
         and ``head(seqs)`` -> [(draft state, chained state)] a sequence run the passes
-        (default: trunk_rows and head_rows over the items' own caches)."""
+        (default: trunk_rows and head_rows over the items' own caches). ``lean``: the
+        trunk pass only, no drafting: k placeholder drafts of probability 0, which the
+        next round verifies none of unless told to (any draft verified is exact; the
+        head's cache keeps no entries for these positions, which can only cost the head
+        some acceptance later)."""
         trunk = trunk or self._trunk_targets
         head = head or self._head_states
         dev = items[0][0].device
@@ -737,6 +741,10 @@ class Programs(nn.Module):
         targets = targets.split([tokens.shape[1] for tokens, *_ in items])
         ns = [_accepted(tokens, target)
               for (tokens, *_), target in zip(items, targets, strict=True)]
+        if lean:
+            none = torch.zeros(k, device=dev)
+            return [(torch.cat([target, n, target[-1:].expand(k)]), none)
+                    for target, n in zip(targets, ns, strict=True)]
         # Head catch-up over every sequence's positions with its target tokens (round()).
         heads = head([(target[None], h, pos, hk, hv, span)
                       for target, h, pos, (_, _, _, _, hk, hv, span)
@@ -976,6 +984,8 @@ class FastDecoder:
         self._times: dict[tuple, float] = {}  # run_many's timings (shared by forks)
         self._counts: dict[tuple, int] = {}
         self._round_costs: dict[tuple, RoundCosts] = {}  # (k, sequences) -> round costs
+        self._lean_costs: dict[tuple, RoundCosts] = {}  # the same, of rounds drafting nothing
+        self._draft_p: list[float] = []  # the head's mean probability a draft position
 
     @property
     def has_mtp(self) -> bool:
@@ -1448,12 +1458,18 @@ class FastDecoder:
                 # Fewer rows verified: the pending token and the drafts chosen.
                 args = [(st.args[0][:, : c + 1], *st.args[1:])
                         for st, c in zip(group, take, strict=True)]
-                passes = self._pooled_passes(group) if pooled else {}
-                got = pr.round_many(args, k, **passes)
+                self._note_probs(group)
+                lean = self._lean(k, n)
+                if lean and not any(take):
+                    # Nothing verified, nothing drafted: a decode step each (one pass).
+                    got = self._lean_round(group, args, k, pooled)
+                else:
+                    passes = self._pooled_passes(group) if pooled else {}
+                    got = pr.round_many(args, k, lean=lean, **passes)
                 seconds = time.perf_counter() - t0
                 self._timed((kind, k, n), seconds)
-                self._round_costs.setdefault((k, n), RoundCosts()).record(n + sum(take),
-                                                                          seconds)
+                costs = self._lean_costs if lean else self._round_costs
+                costs.setdefault((k, n), RoundCosts()).record(n + sum(take), seconds)
             for i, g in zip(idx, got, strict=True):
                 out[i] = g
         return out
@@ -1495,6 +1511,48 @@ class FastDecoder:
 
         return {"trunk": trunk, "head": head}
 
+    def _lean_round(self, group: list[Step], args: list, k: int, pooled: bool) -> list:
+        # Rounds of one row each (the pending token) that draft nothing, as decode steps:
+        # round_many(lean=True)'s results without its bookkeeping.
+        if pooled:
+            targets = self._decode_pooled([Step("decode", 1, 0, (a[0], a[1]), slot=st.slot)
+                                           for st, a in zip(group, args, strict=True)])
+        else:
+            targets = self.programs.decode_many([(a[0], a[1], a[2], a[3], a[6])
+                                                 for a in args])
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        none = torch.zeros(k, device=self.device)
+        return [(torch.cat([t, zero, t.expand(k)]), none) for t in targets]
+
+    def _note_probs(self, group: list[Step]) -> None:
+        # A moving average of the head's probability at each draft position, from the
+        # drafts of real rounds (a lean round's placeholders have probability 0).
+        mean = self._draft_p
+        for st in group:
+            if st.probs is None or not len(st.probs) or float(st.probs[0]) <= 0.0:
+                continue
+            for j, p in enumerate(st.probs.tolist()):
+                if j < len(mean):
+                    mean[j] = 0.9 * mean[j] + 0.1 * p
+                else:
+                    mean.append(p)
+
+    def _lean(self, k: int, n: int) -> bool:
+        # Whether this batched round drafts nothing (engine/budget.py: drafting_pays). At a
+        # batch size where the head's drafts cost more than their accepted tokens bring,
+        # MTP would make the server slower than no MTP: its rounds then run the trunk only.
+        # Drafting rounds are measured first, then a lean one; then the measured costs
+        # decide, except every EXPLORE-th round, which takes the other way to keep both
+        # costs current (and the head's probabilities known).
+        full, lean = self._round_costs.get((k, n)), self._lean_costs.get((k, n))
+        if full is None or not full.seconds or not self._draft_p:
+            return False
+        if lean is None:
+            return True
+        pays = drafting_pays(self._draft_p[:k], n, full.estimate, lean.estimate(n)
+                             or min(lean.seconds.values()))
+        return pays if (full.turns + lean.turns) % (4 * EXPLORE) == 0 else not pays
+
     def _drafts_to_verify(self, group: list[Step], k: int) -> list[int]:
         # How many of its drafts each sequence of a batched round verifies (engine/budget.py):
         # all of them, then none, until both costs are measured at this batch size; then
@@ -1503,6 +1561,9 @@ class FastDecoder:
         # counts never chosen would stay unknown).
         full = [st.args[0].shape[1] - 1 for st in group]
         n, most = len(group), sum(full)
+        if not any(st.probs is not None and len(st.probs) and float(st.probs[0]) > 0.0
+                   for st in group):
+            return [0] * n  # a lean round's placeholders (or no drafts): nothing to gain
         costs = self._round_costs.setdefault((k, n), RoundCosts())
         if n + most not in costs.seconds:
             return full
@@ -1594,13 +1655,17 @@ class FastDecoder:
                 tokens = torch.cat([pending.view(1), drafts[:kk]])[None]
                 args = (tokens, torch.tensor([at], device=dev), *self.kv, self.hk, self.hv,
                         self.span(at + max(SPAN_STEP, 2 * k + 2)))
+            # A lean batched round's placeholders (probability 0, run_many) are no drafts:
+            # a round that verifies them anyway (a lone round program verifies all k)
+            # does not count them.
+            drafting = kk > 0 and float(probs[0]) > 0.0
             out, probs = yield Step("round", t, k, args, probs[:kk], slot=self.slot)
             vals = out.tolist()  # the one host read per round
             # A batched round may have verified fewer of the drafts (run_many).
             t = len(vals) - 1 - k
             n = vals[t]
             # Counted as the eager engine does: no more drafts than tokens still allowed.
-            drafted = min(t - 1, max_tokens - m.generated_tokens - 1)
+            drafted = min(t - 1, max_tokens - m.generated_tokens - 1) if drafting else 0
             m.record(drafted, min(n, drafted))
             drafts = out[t + 1:]
             pending = out[n : n + 1]
