@@ -834,3 +834,22 @@ def test_lean_rounds_keep_each_sequences_tokens(pooled, engine_factory, monkeypa
         for r in results:
             assert r.metrics.num_accepted_tokens <= r.metrics.num_draft_tokens
     assert dec._lean_costs and dec._draft_p
+
+
+def test_programs_are_keyed_by_their_own_family_sources_only(engine_factory):
+    """A program's key covers the code it is traced from: this family's file and the
+    shared model modules, not the other families' files (editing those must not make
+    every user rebuild), and never leaves out a file its classes come from."""
+    from mtpkit.engine.fast import traced_sources
+    from mtpkit.models.registry import FAMILIES
+
+    engine = engine_factory("llama")
+    names = {f.name for f in traced_sources(engine.model)}
+    assert {"fast.py", "linear.py", "llama.py", "layers.py", "attention.py", "mtp.py",
+            "base.py", "cache.py", "config.py"} <= names
+    others = {f"{module}.py" for module, _ in FAMILIES.values()} - {"llama.py"}
+    assert not names & others
+    for cls in (type(engine.model), type(engine.model.config)):
+        for c in cls.__mro__:
+            if c.__module__.startswith("mtpkit."):
+                assert c.__module__.rsplit(".", 1)[-1] + ".py" in names, c

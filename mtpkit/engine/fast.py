@@ -858,22 +858,33 @@ def model_fingerprint(programs: Programs) -> str:
     return h.hexdigest()[:24]
 
 
-def _source_digest() -> str:
-    """A digest of the code a program is traced from: this file, the layers and model
-    families (``mtpkit/models``), the quantized linear and the hand-written kernels; a change
-    to any of them must not reuse a program built from the old code."""
+def traced_sources(model) -> list[Path]:
+    """The files a program of ``model`` is traced from: this file, the quantized linear,
+    and the model modules (``mtpkit/models``) save the families this model is not built
+    from (another family's file changes nothing it runs)."""
+    from ..models.registry import FAMILIES
+
     root = Path(__file__).resolve().parent.parent
-    files = [Path(__file__).resolve(), root / "quant" / "linear.py",
-             *sorted((root / "models").glob("*.py"))]
+    families = {module for module, _ in FAMILIES.values()}
+    own = {c.__module__.rsplit(".", 1)[-1] for cls in (type(model), type(model.config))
+           for c in cls.__mro__}
+    models = [f for f in sorted((root / "models").glob("*.py"))
+              if f.stem not in families or f.stem in own]
+    return [Path(__file__).resolve(), root / "quant" / "linear.py", *models]
+
+
+def _source_digest(model) -> str:
+    """A digest of the code a program is traced from (traced_sources) and the hand-written
+    kernels; a change to any of them must not reuse a program built from the old code."""
     h = hashlib.sha256(kernel_source_digest().encode())
-    for f in files:
+    for f in traced_sources(model):
         h.update(f.name.encode())
         h.update(f.read_bytes())
     return h.hexdigest()
 
 
 def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str,
-               forms: W8A8Forms) -> str:
+               forms: W8A8Forms, model) -> str:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     parts = [
@@ -881,7 +892,7 @@ def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str,
         torch.__version__, str(pick_vec_isa()),
         # GEMM templates are generated for the thread count in force at compile time.
         str(threads.limit()),
-        _source_digest(),
+        _source_digest(model),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
@@ -1238,7 +1249,8 @@ class FastDecoder:
         # torch's); choosing also loads mtpkit's, which a program that calls them needs
         # before it is loaded.
         shapes = f"T={t},L={self.max_len},dtype={self.kc[0].dtype},int8={kernel_choice()}"
-        key = _build_key(self._fingerprint, kind, shapes, k, self.mode, self.programs.forms)
+        key = _build_key(self._fingerprint, kind, shapes, k, self.mode, self.programs.forms,
+                         self.model)
         return self.cache_dir / f"{kind}-{key}.pt2"
 
     def _load(self, path: Path):
