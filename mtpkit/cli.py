@@ -118,6 +118,9 @@ def _cmd_generate(a) -> int:
             if st.loaded or st.compiled or a.compile != "auto":
                 print(f"compiled programs: {st.loaded} loaded, {st.compiled} built; ready "
                       f"{time.perf_counter() - t0:.1f} s after start", file=sys.stderr)
+            if fast.pending:
+                print("note: running the fast path uncompiled (several times slower): "
+                      "`mtpkit warmup` compiles it once for this model", file=sys.stderr)
     stream = not a.json
 
     def run(kk: int, watched: bool, warm: bool = False):

@@ -80,6 +80,18 @@ def test_generate_compiled_path_matches_eager(model_dir, capsys):
     assert got["metrics"]["generated_tokens"] == 24
 
 
+def test_generate_says_when_it_runs_uncompiled(model_dir, capsys, tmp_path, monkeypatch):
+    """The default (--compile auto) with no built programs decodes uncompiled, and says
+    so with the command that fixes it; --compile eager (asked for) does not."""
+    monkeypatch.setenv("MTPKIT_COMPILE_CACHE", str(tmp_path))
+    code, _, err = _run(capsys, "generate", "def f(x):", "--model", str(model_dir),
+                        "--max-tokens", "4")
+    assert code == 0 and "uncompiled" in err and "mtpkit warmup" in err
+    code, _, err = _run(capsys, "generate", "def f(x):", "--model", str(model_dir),
+                        "--max-tokens", "4", "--compile", "eager")
+    assert code == 0 and "mtpkit warmup" not in err
+
+
 def test_bench_steps_table(model_dir, capsys):
     """`mtpkit bench steps` times every program in turns and relates it to the decode step
     (and the decode step to the bandwidth) within each turn."""
