@@ -13,7 +13,13 @@
 - the model classes for module prefixes and packed_modules_mapping: deepseek_v2.py
   (DeepseekV2ForCausalLM), deepseek_mtp.py (SharedHead builds ``{layer}.head``, eh_proj is an
   nn.Linear), glm4_moe.py / glm4_moe_mtp.py, qwen3_next.py / qwen3_next_mtp.py,
-  qwen3_5.py / qwen3_5_mtp.py (Qwen3_5ForConditionalGeneration's prefix map).
+  qwen3_5.py / qwen3_5_mtp.py (Qwen3_5ForConditionalGeneration's prefix map);
+- MiMo-V2-Flash: mimo_v2.py (MiMoV2FlashForCausalLM.packed_modules_mapping: qkv_proj,
+  gate_up_proj; MiMoV2Attention builds o_proj with quant_config=None when its prefix holds
+  "mtp.layers") and mimo_v2_mtp.py (MiMoV2MultiTokenPredictor builds model.mtp.layers.0 only,
+  num_mtp_layers = 1; MiMoV2MTP.load_weights skips every name it has no parameter for, so
+  layers 1 and 2 on disk are never read; eh_proj is a ReplicatedLinear without a
+  quantization config).
 
 Older releases differ where VllmRules says (fused-name patterns before 0.30.0, heads before
 0.20.0, experts before 0.14.0, the text-only Qwen3.5 rename before 0.28.0).
@@ -82,6 +88,7 @@ PACKED = {
     "qwen3_next": {**QKV_GATE_UP, "in_proj_qkvz": ["in_proj_qkvz"], "in_proj_ba": ["in_proj_ba"]},
     "qwen3_5_moe": {**QKV_GATE_UP, "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
                     "in_proj_ba": ["in_proj_b", "in_proj_a"]},
+    "mimo_v2_flash": QKV_GATE_UP,
 }
 MTP_PACKED = {"qwen3_next": QKV_GATE_UP, "qwen3_5_moe": QKV_GATE_UP}
 # The loaders' stacked_params_mapping: on-disk leaf -> the packed module it is loaded into.
@@ -110,6 +117,13 @@ def built_modules(names: list[str], cfg: dict, model_type: str) -> dict:
         rt, mtp = module, False
         if module.startswith("mtp."):
             mtp = True
+        elif m := re.match(r"model\.mtp\.layers\.(\d+)\.(.+)$", module):
+            mtp = True
+            if int(m[1]) >= 1:
+                continue  # MiMoV2MultiTokenPredictor builds layer 0 only
+            if m[2] == "self_attn.o_proj":
+                out.setdefault(rt, ("float", mtp, set()))[2].add(module)
+                continue  # MiMoV2Attention: quant_config=None under "mtp.layers"
         elif m := re.match(r"model\.layers\.(\d+)\.(.+)$", module):
             mtp = int(m[1]) >= n_layer
             if mtp and m[2] == "shared_head.head":
@@ -138,6 +152,8 @@ def vllm_builds_quantized(rt: str, kind: str, mtp: bool, qc: dict, model_type: s
     ignore = list(qc.get("ignore") or [])
     targets = [t for g in qc["config_groups"].values() for t in g["targets"]]
     packed = MTP_PACKED.get(model_type, PACKED[model_type]) if mtp else PACKED[model_type]
+    if kind == "float":
+        return False  # built without a quantization config
     if kind == "experts":
         probes = [f"{rt}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
         decided = {not vllm_ignored(p, ignore, packed)
@@ -165,8 +181,9 @@ def stored_quantized(folder: Path, modules: set) -> bool:
     return kinds.pop()
 
 
-def assert_vllm_loads(folder: Path, model_type: str) -> int:
-    """Every module vLLM builds is built as it is stored; returns how many were checked."""
+def assert_vllm_loads(folder: Path, model_type: str, mtp_experts: bool = True) -> int:
+    """Every module vLLM builds is built as it is stored; returns how many were checked
+    (``mtp_experts``: the head's MLP is MoE, and its experts must have been seen)."""
     cfg = json.loads((folder / "config.json").read_text())
     qc = cfg["quantization_config"]
     names = []
@@ -182,7 +199,10 @@ def assert_vllm_loads(folder: Path, model_type: str) -> int:
             wrong[rt] = f"stored {'quantized' if want else 'float'}, built " \
                         f"{'quantized' if got else 'float'}"
     assert not wrong, wrong
-    assert any(k == "experts" and mtp for k, mtp, _ in built.values()), "no MTP experts seen"
+    assert any(mtp for _, mtp, _ in built.values()), "no MTP module seen"
+    if mtp_experts:
+        assert any(k == "experts" and mtp for k, mtp, _ in built.values()), \
+            "no MTP experts seen"
     return len(built)
 
 
@@ -550,3 +570,104 @@ def test_doctor_no_vllm_mtp_class(tmp_path, moe_checkpoints):
     assert "engine-no-mtp-class" in rep.codes()
     assert "engine-no-mtp-class" not in diagnose(moe_checkpoints("deepseek_v3", "per-expert"),
                                                  ["vllm"]).codes()
+
+
+# -- MiMo-V2-Flash: MTP layers under model.mtp.layers.{i}, vLLM drafting with layer 0 ------------
+
+
+@pytest.fixture(scope="module")
+def mimo_v2(tmp_path_factory):
+    """A float MiMo-V2-Flash checkpoint with its three MTP layers in the release's names."""
+    fam = next(f for f in tiny.FAMILIES if f.name == "mimo_v2_flash")
+    out = tmp_path_factory.mktemp("mimo_v2_flash")
+    tiny.write_checkpoint(fam, out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tiny.add_mtp_head(out, fam, steps=0, separate_file=False, layers=3)
+    return out
+
+
+MIMO_V2_LAYER0 = ("model.mtp.layers.0.self_attn.qkv_proj", "model.mtp.layers.0.mlp.gate_up_proj",
+                  "model.mtp.layers.0.mlp.down_proj")
+_DOCTOR_BAD = {"mtp-missing", "mtp-unquantized-not-ignored", "unquantized-not-ignored",
+               "ignore-shard-conflict", "quantized-but-ignored", "ignore-matches-nothing",
+               "ignore-regex-no-match", "mtp-incomplete", "mtp-config-mismatch"}
+
+
+@pytest.mark.parametrize("mtp", ["keep", "same"])
+def test_mimo_v2_quantize_mtp(mimo_v2, tmp_path, mtp):
+    out = tmp_path / "q"
+    quantize_checkpoint(mimo_v2, out, Scheme("w8a16"), mtp=mtp)
+    assert assert_vllm_loads(out, "mimo_v2_flash", mtp_experts=False) > 10
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    layer0 = {"model.mtp.layers.0.self_attn.q_proj", "model.mtp.layers.0.mlp.gate_proj",
+              "model.mtp.layers.0.mlp.down_proj"}
+    # o_proj and eh_proj: built float by vLLM, so kept float (and listed) either way.
+    float_always = {"model.mtp.layers.0.self_attn.o_proj", "model.mtp.layers.0.eh_proj"}
+    assert not stored_quantized(out, float_always)
+    assert float_always <= set(ignore)
+    if mtp == "keep":
+        assert not stored_quantized(out, layer0 | {"model.mtp.layers.2.self_attn.q_proj"})
+        # vLLM's names (fused) and the on-disk ones, for every MTP layer stored
+        assert set(MIMO_V2_LAYER0) <= set(ignore)
+        assert "model.mtp.layers.2.self_attn.qkv_proj" in ignore
+        assert "model.mtp.layers.2.self_attn.v_proj" in ignore
+    else:
+        assert stored_quantized(out, layer0)
+        assert not set(MIMO_V2_LAYER0) & set(ignore)
+    rep = diagnose(out, ["vllm"])
+    assert rep.facts["mtp_layers_stored"] == 3
+    assert not rep.codes() & _DOCTOR_BAD, rep.to_json()
+    assert rep.exit_code == 0, rep.to_json()
+
+
+def test_mimo_v2_ignore_list_missing_mtp(mimo_v2, tmp_path):
+    # A release whose ignore list names no MTP module, the MTP layers stored float: vLLM builds
+    # layer 0's attention and MLP quantized over float weights (0% acceptance).
+    out = tmp_path / "q"
+    quantize_checkpoint(mimo_v2, out, Scheme("w8a16"), mtp="keep")
+    bad = _with_ignore(out, tmp_path / "bad",
+                       lambda ignore: [e for e in ignore if ".mtp." not in e])
+    with pytest.raises(AssertionError, match=r"model\.mtp\.layers\.0\.self_attn\.qkv_proj"):
+        assert_vllm_loads(bad, "mimo_v2_flash", mtp_experts=False)
+    rep = diagnose(bad, ["vllm"])
+    f = next(f for f in rep.findings if f.code == "mtp-unquantized-not-ignored")
+    assert all(name in f.what for name in MIMO_V2_LAYER0), f.what
+    # layers 1 and 2 are never built by vLLM, o_proj and eh_proj never quantized
+    assert ".layers.1." not in f.what and ".layers.2." not in f.what
+    assert "o_proj" not in f.what and "eh_proj" not in f.what
+    assert rep.exit_code == 2
+    fixed = fix_config(bad, tmp_path / "fixed").out
+    assert_vllm_loads(fixed, "mimo_v2_flash", mtp_experts=False)
+    assert "mtp-unquantized-not-ignored" not in diagnose(fixed, ["vllm"]).codes()
+    # Entries for layer 0 only are enough for vLLM: layers 1 and 2 are not read.
+    only0 = _with_ignore(out, tmp_path / "only0", lambda ignore: [
+        e for e in ignore if not re.match(r"model\.mtp\.layers\.[12]\.", e)])
+    assert_vllm_loads(only0, "mimo_v2_flash", mtp_experts=False)
+    assert not diagnose(only0, ["vllm"]).codes() & _DOCTOR_BAD
+
+
+def test_mimo_v2_runtime_names():
+    from mtpkit.checkpoint.runtime_names import describe, vllm_mtp_class
+
+    cfg = {"model_type": "mimo_v2_flash", "num_hidden_layers": 4}
+    qkv = describe("model.mtp.layers.0.self_attn.k_proj", "mimo_v2_flash", config=cfg)
+    assert (qkv.name, qkv.mtp, qkv.built) == ("model.mtp.layers.0.self_attn.qkv_proj", True,
+                                              True)
+    assert not describe("model.mtp.layers.0.self_attn.o_proj", "mimo_v2_flash",
+                        config=cfg).quantizable
+    assert not describe("model.mtp.layers.0.eh_proj", "mimo_v2_flash", config=cfg).quantizable
+    later = describe("model.mtp.layers.2.mlp.up_proj", "mimo_v2_flash", config=cfg)
+    assert (later.name, later.built) == ("model.mtp.layers.2.mlp.gate_up_proj", False)
+    assert ignore_status("model.mtp.layers.2.mlp.up_proj", [], "mimo_v2_flash",
+                         config=cfg).value == "not-quantizable"
+    assert ignore_status("model.mtp.layers.0.mlp.up_proj", [], "mimo_v2_flash",
+                         config=cfg).value == "quantized"
+    assert ignore_status("model.mtp.layers.0.mlp.up_proj", [MIMO_V2_LAYER0[1]], "mimo_v2_flash",
+                         config=cfg).value == "ignored"
+    # vLLM's own matching agrees (the trunk class's packed mapping reaches the draft)
+    assert vllm_ignored(MIMO_V2_LAYER0[1], ["model.mtp.layers.0.mlp.gate_proj",
+                                            "model.mtp.layers.0.mlp.up_proj"], QKV_GATE_UP)
+    assert vllm_mtp_class("mimo_v2_flash") == "MiMoV2MTP"
+    # the trunk's modules are not MTP
+    assert not describe("model.layers.3.self_attn.q_proj", "mimo_v2_flash", config=cfg).mtp

@@ -35,6 +35,11 @@ mappers) and vLLM's compressed-tensors ignore matching:
 - modules vLLM builds as plain ``nn.Linear``, routers (``GateLinear``, no quantization
   config), convolutions are never quantized: DeepSeek/GLM ``eh_proj``, MiMo ``input_proj``,
   ``mlp.gate``, ``shared_expert_gate``, a vision ``patch_embed``;
+- MiMo-V2-Flash (``mimo_v2_flash``) stores its MTP layers as ``model.mtp.layers.{i}.*`` and
+  vLLM's draft (``MiMoV2MTP``) builds them under the same names, fused as the trunk's class
+  fuses (``qkv_proj``, ``gate_up_proj``), but only layer 0: its loader skips the other
+  layers' tensors, so they are never built (``RuntimeModule.built``). The MTP layer's
+  ``self_attn.o_proj`` is built without a quantization config, like ``eh_proj``;
 - DeepSeek Sparse Attention (``glm_moe_dsa``, ``deepseek_v32``, trunk and MTP layer alike):
   the indexer's ``wq_b`` is a quantizable linear under ``self_attn.indexer``; its ``wk`` and
   ``weights_proj`` are built as one ``self_attn.indexer.wk_weights_proj`` without a
@@ -55,7 +60,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 __all__ = [
@@ -181,6 +186,9 @@ class RuntimeModule:
     fused: bool = False  # built from several on-disk modules (shards)
     # linear | fused | experts (decided by experts.0.*) | head (ParallelLMHead) | embedding
     kind: str = "linear"
+    # False: the engine builds no such module and never reads its tensors (vLLM drafts
+    # MiMo-V2-Flash with MTP layer 0 only); ignore entries for it are harmless and unneeded.
+    built: bool = True
 
     @property
     def by_name_only(self) -> bool:
@@ -202,13 +210,19 @@ _GLM = {"glm4_moe"}
 _VLLM_MTP_CLASS = {
     "deepseek_v3": "DeepSeekMTP", "deepseek_v32": "DeepseekV32MTP",
     "glm_moe_dsa": "DeepseekV32MTP", "glm4_moe": "Glm4MoeMTP",
-    "glm4_moe_lite": "Glm4MoeLiteMTP", "mimo": "MiMoMTP", "qwen3_next": "Qwen3NextMTP",
+    "glm4_moe_lite": "Glm4MoeLiteMTP", "mimo": "MiMoMTP", "mimo_v2_flash": "MiMoV2MTP",
+    "qwen3_next": "Qwen3NextMTP",
     "qwen3_5": "Qwen3_5MTP", "qwen3_5_text": "Qwen3_5MTP", "qwen3_5_moe": "Qwen3_5MoeMTP",
     "qwen3_5_moe_text": "Qwen3_5MoeMTP",
 }
 # Families whose MTP layer sits at model.layers.{L + i} with enorm/hnorm/eh_proj/shared_head.
 _NEXTN = _MLA | _GLM
 _NEXTN_OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+# Families whose MTP layers are stored as model.mtp.layers.{i}.* (vLLM's MiMoV2MTP).
+_MIMO_V2 = {"mimo_v2_flash"}
+# MTP layers vLLM's MiMoV2MTP builds (mimo_v2_mtp.py: num_mtp_layers = 1, whatever the
+# checkpoint stores): later layers' tensors are skipped by its loader.
+_MIMO_V2_VLLM_LAYERS = 1
 # vLLM's hf_to_vllm_mapper prefixes of the Qwen3.5 VLM classes (HF name -> engine name).
 _VLM_PREFIXES = (
     ("model.visual.", "visual."),
@@ -353,6 +367,22 @@ def describe(
     # MTP layouts first: they decide the prefix and which name map applies.
     if name.startswith("mtp."):
         mtp = True
+    elif m := re.match(r"model\.mtp\.layers\.(\d+)\.(.+)$", name):
+        # MiMo-V2-Flash: built under the on-disk names, no prefix map.
+        mtp = True
+        if engine == "vllm" and mt in _MIMO_V2:
+            if int(m[1]) >= _MIMO_V2_VLLM_LAYERS:
+                # Described as layer 0 would be (fused names for the ignore list), not built.
+                rt = describe(f"model.mtp.layers.0.{m[2]}", model_type, engine, config=config,
+                              vllm_version=vllm_version)
+                return replace(rt, name=name[:-len(m[2])] + rt.name[len("model.mtp.layers.0."):],
+                               shards=tuple(name[:-len(m[2])] + s[len("model.mtp.layers.0."):]
+                                            for s in rt.shards),
+                               built=False)
+            if m[2] == "self_attn.o_proj":
+                # MiMoV2Attention passes quant_config=None to o_proj when its prefix holds
+                # "mtp.layers": a float module whatever the ignore list says.
+                return RuntimeModule(name, (), False, mtp, kind="never")
     elif m := re.match(r"model\.mtp_layers\.(\d+)\.(.+)$", name):
         # MiMo: vLLM builds MTP layer i as model.layers.{num_hidden_layers + i}.
         if n_layer is None:
@@ -436,7 +466,7 @@ def _leaf_kind(name: str) -> str:
 
 
 def _is_mtp_name(name: str, n_layer: int | None) -> bool:
-    if name.startswith(("mtp.", "model.mtp_layers.")):
+    if name.startswith(("mtp.", "model.mtp_layers.", "model.mtp.")):
         return True
     m = re.match(r"model\.layers\.(\d+)\.", name)
     return bool(m and n_layer is not None and int(m[1]) >= n_layer)
@@ -521,7 +551,8 @@ def ignore_status(
     and llm-compressor write); see the module docstring for the rules."""
     rules = VllmRules.of(vllm_version)
     rt = describe(disk_module, model_type, engine, config=config, vllm_version=vllm_version)
-    if not rt.quantizable:
+    if not rt.quantizable or not rt.built:
+        # A module the engine does not build is never built quantized either.
         return IgnoreStatus.NOT_QUANTIZABLE
     entries = map_ignore_entries(ignore, model_type, engine, mtp=rt.mtp, config=config,
                                  vllm_version=vllm_version)

@@ -464,6 +464,8 @@ def _ct_module_findings(lay: HFLayout, engine: str, version=None) -> list[Findin
             out.append(Finding("unknown-model-type", "info", str(e), "", "", [engine],
                                mod.name))
             continue
+        if not rt.built:
+            continue  # the engine never reads it (MiMo-V2-Flash MTP layers past the first)
         if (engine == "vllm" and mod.stacked_experts and rt.mtp and mt in _NEXTN_FAMILIES):
             stacked_mtp.append(mod.name)
         names = [e for e in map_ignore_entries(ignore, mt, engine, mtp=rt.mtp, config=lay.raw,

@@ -13,7 +13,7 @@ from ..checkpoint.errors import CheckpointError
 # Families whose releases carry a native MTP head.
 NATIVE_MTP = {
     "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-    "deepseek_v3", "glm4_moe", "mimo",
+    "deepseek_v3", "glm4_moe", "mimo", "mimo_v2_flash",
 }
 QWEN35 = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
 QWEN_MTP = QWEN35 | {"qwen3_next"}  # heads stored as mtp.*
@@ -71,7 +71,8 @@ _TEXT_LAYER = r"(?:model\.(?:language_model\.)?|language_model\.(?:model\.)?)lay
 
 def is_mtp_tensor(name: str, n_layer: int | None) -> bool:
     """Whether an on-disk tensor belongs to an MTP head (any family's layout)."""
-    if name.startswith(("mtp.", "model.mtp_layers.")):
+    # mtp.* (Qwen), model.mtp_layers.{i}.* (MiMo), model.mtp.layers.{i}.* (MiMo-V2-Flash)
+    if name.startswith(("mtp.", "model.mtp_layers.", "model.mtp.")):
         return True
     m = re.match(_TEXT_LAYER, name)
     return bool(m and n_layer is not None and int(m[1]) >= n_layer)
@@ -85,7 +86,7 @@ def mtp_layer_count(names: list[str], n_layer: int | None) -> int:
         if not is_mtp_tensor(n, n_layer):
             continue
         any_mtp = True
-        if m := re.match(r"(?:mtp\.layers|model\.mtp_layers)\.(\d+)\.", n):
+        if m := re.match(r"(?:mtp\.layers|model\.mtp_layers|model\.mtp\.layers)\.(\d+)\.", n):
             layers.add(int(m[1]))
         elif (m := re.match(_TEXT_LAYER, n)) and n_layer:
             layers.add(int(m[1]) - n_layer)
