@@ -645,29 +645,25 @@ class Programs(nn.Module):
         kc, vc, span)], each attending over its own caches, every GEMM and norm once over
         all rows -> [(post, pre)] a sequence. Row-exact kernels give each row the bits
         its sequence's own step gives (the fused W8A8 ops give those of the GEMMs apart)."""
-        m = self.model
         sizes = [ids.shape[1] for ids, *_ in seqs]
-        x = m.model.embed_tokens(torch.cat([ids for ids, *_ in seqs], 1))
+        x = self.model.model.embed_tokens(torch.cat([ids for ids, *_ in seqs], 1))
+        pos = torch.cat([pos for _, pos, *_ in seqs])
         if _seqs_kernel_fits(x, seqs[0][2][0]):
-            pos = torch.cat([pos for _, pos, *_ in seqs])
-            post, x = self._layers_over(x, pos, lambda i, attn, qkv, cos, sin: _attend_seqs(
-                attn, qkv, cos, sin, [kc[i] for _, _, kc, _, _ in seqs],
-                [vc[i] for _, _, _, vc, _ in seqs], pos, sizes))
-            return list(zip(post.split(sizes, 1), x.split(sizes, 1), strict=True))
-        rope = [self._cos_sin(pos) for _, pos, *_ in seqs]
-        masks = [_mask(pos, _span(span, kc[0]), self.groups) for _, pos, kc, _, span in seqs]
-        for i, layer in enumerate(m.model.layers):
-            f = None if self.fused is None else self.fused[i]
-            attn = layer.self_attn
-            qkv = _qkv_rows(attn, layer.input_layernorm(x), f)
-            heads = torch.cat([
-                _attention(attn, None, cos, sin, kc[i], vc[i], pos, mask, part.shape[1],
-                           qkv=part, project=False)
-                for (_, pos, kc, vc, _), (cos, sin), mask, part
-                in zip(seqs, rope, masks, qkv.split(sizes, 1), strict=True)], 1)
-            x = x + _lin(f, "o_proj", attn.o_proj)(heads)
-            x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x), f)
-        post = m.model.norm(x)
+            def attend(i, attn, qkv, cos, sin):
+                return _attend_seqs(attn, qkv, cos, sin, [kc[i] for _, _, kc, _, _ in seqs],
+                                    [vc[i] for _, _, _, vc, _ in seqs], pos, sizes)
+        else:
+            # A call a sequence, each with its own rotary rows and mask.
+            rope = [self._cos_sin(p) for _, p, *_ in seqs]
+            masks = [_mask(p, _span(span, kc[0]), self.groups) for _, p, kc, _, span in seqs]
+
+            def attend(i, attn, qkv, *_):
+                return torch.cat([
+                    _attention(attn, None, cos, sin, kc[i], vc[i], p, mask, part.shape[1],
+                               qkv=part, project=False)
+                    for (_, p, kc, vc, _), (cos, sin), mask, part
+                    in zip(seqs, rope, masks, qkv.split(sizes, 1), strict=True)], 1)
+        post, x = self._layers_over(x, pos, attend)
         return list(zip(post.split(sizes, 1), x.split(sizes, 1), strict=True))
 
     def _layers_over(self, x, pos, attend):
@@ -700,16 +696,22 @@ class Programs(nn.Module):
     def head_pool(self, ids, states, pos, slots, sizes, hk, hv):
         """head_rows over pooled head caches hk, hv [S, Hkv, L, hd] -> (the state the draft
         is picked from, the state the next draft step reads) [1, N, D]."""
+        post, pre = self._head_over(ids, states, pos, lambda attn, qkv, cos, sin: _attend_pool(
+            attn, qkv, cos, sin, hk, hv, slots, sizes, pos))
+        return post, (post if self.model.mtp.spec.chain_hidden == "post_norm" else pre)
+
+    def _head_over(self, ids, states, pos, attend):
+        # The head's layer over rows ids [1, N], states [1, N, D] at positions pos [N], its
+        # heads from attend(attn, qkv, cos, sin) -> (after, before the head's final norm).
         mtp = self.model.mtp
         x = self._head_input(ids, states)
         layer = mtp.layers[0]
         attn = layer.self_attn
         qkv = _qkv_rows(attn, layer.input_layernorm(x))
         cos, sin = self._cos_sin(pos)
-        x = x + attn.o_proj(_attend_pool(attn, qkv, cos, sin, hk, hv, slots, sizes, pos))
+        x = x + attn.o_proj(attend(attn, qkv, cos, sin))
         x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
-        post = mtp.norm(x)
-        return post, (post if mtp.spec.chain_hidden == "post_norm" else x)
+        return mtp.norm(x), x
 
     @every_row_exact()
     def decode_many(self, items):
@@ -784,29 +786,24 @@ class Programs(nn.Module):
         """The MTP head over several sequences' rows in one pass: seqs = [(ids [1, T],
         states [1, T, D], pos [T], hk, hv, span)], each attending over its own head cache
         -> [(post, pre)] a sequence."""
-        mtp = self.model.mtp
         sizes = [ids.shape[1] for ids, *_ in seqs]
-        x = self._head_input(torch.cat([ids for ids, *_ in seqs], 1),
-                             torch.cat([h for _, h, *_ in seqs], 1))
-        layer = mtp.layers[0]
-        attn = layer.self_attn
-        qkv = _qkv_rows(attn, layer.input_layernorm(x))
-        if _seqs_kernel_fits(x, seqs[0][3]):
-            pos = torch.cat([pos for _, _, pos, *_ in seqs])
-            cos, sin = self._cos_sin(pos)
-            heads = _attend_seqs(attn, qkv, cos, sin, [hk for *_, hk, _, _ in seqs],
-                                 [hv for *_, hv, _ in seqs], pos, sizes)
+        pos = torch.cat([pos for _, _, pos, *_ in seqs])
+        if _seqs_kernel_fits(seqs[0][1], seqs[0][3]):
+            def attend(attn, qkv, cos, sin):
+                return _attend_seqs(attn, qkv, cos, sin, [hk for *_, hk, _, _ in seqs],
+                                    [hv for *_, hv, _ in seqs], pos, sizes)
         else:
-            outs = []
-            for (_, _, pos, hk, hv, span), part in zip(seqs, qkv.split(sizes, 1), strict=True):
-                cos, sin = self._cos_sin(pos)
-                outs.append(_attention(attn, None, cos, sin, hk, hv, pos,
-                                       _mask(pos, _span(span, hk), self.groups), part.shape[1],
-                                       qkv=part, project=False))
-            heads = torch.cat(outs, 1)
-        x = x + attn.o_proj(heads)
-        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
-        post = mtp.norm(x)
+            def attend(attn, qkv, *_):
+                outs = []
+                for (_, _, p, hk, hv, span), part in zip(seqs, qkv.split(sizes, 1),
+                                                         strict=True):
+                    cos, sin = self._cos_sin(p)
+                    outs.append(_attention(attn, None, cos, sin, hk, hv, p,
+                                           _mask(p, _span(span, hk), self.groups),
+                                           part.shape[1], qkv=part, project=False))
+                return torch.cat(outs, 1)
+        post, x = self._head_over(torch.cat([ids for ids, *_ in seqs], 1),
+                                  torch.cat([h for _, h, *_ in seqs], 1), pos, attend)
         return list(zip(post.split(sizes, 1), x.split(sizes, 1), strict=True))
 
 
@@ -1461,7 +1458,7 @@ class FastDecoder:
                       and sum(st.t for st in group) <= POOL_MAX_ROWS)
             if kind == "decode":
                 if pooled:
-                    got = self._decode_pooled(group)
+                    got = self._decode_pooled(group, [st.args for st in group])
                 else:
                     got = pr.decode_many([st.args for st in group])
                 self._timed((kind, k, n), time.perf_counter() - t0)
@@ -1486,10 +1483,11 @@ class FastDecoder:
                 out[i] = g
         return out
 
-    def _decode_pooled(self, group: list[Step]) -> list:
-        # Decode steps of pooled forks as one trunk_pool call -> [next token [1]].
-        ids = torch.cat([st.args[0] for st in group], 1)
-        pos = torch.cat([st.args[1] for st in group])
+    def _decode_pooled(self, group: list[Step], args: list) -> list:
+        # One-token steps of pooled forks as one trunk_pool call, args = [(token [1, 1],
+        # pos [1], ...)] a step -> [next token [1]].
+        ids = torch.cat([a[0] for a in args], 1)
+        pos = torch.cat([a[1] for a in args])
         slots = torch.tensor([st.slot for st in group], device=self.device)
         kpools, vpools, _, _ = self._pool
         targets, _ = self.program("trunk_pool")(ids, pos, slots, torch.ones_like(slots),
@@ -1527,8 +1525,7 @@ class FastDecoder:
         # Rounds of one row each (the pending token) that draft nothing, as decode steps:
         # round_many(lean=True)'s results without its bookkeeping.
         if pooled:
-            targets = self._decode_pooled([Step("decode", 1, 0, (a[0], a[1]), slot=st.slot)
-                                           for st, a in zip(group, args, strict=True)])
+            targets = self._decode_pooled(group, args)
         else:
             targets = self.programs.decode_many([(a[0], a[1], a[2], a[3], a[6])
                                                  for a in args])
@@ -1541,7 +1538,7 @@ class FastDecoder:
         # drafts of real rounds (a lean round's placeholders have probability 0).
         mean = self._draft_p
         for st in group:
-            if st.probs is None or not len(st.probs) or float(st.probs[0]) <= 0.0:
+            if not _drafted(st.probs):
                 continue
             for j, p in enumerate(st.probs.tolist()):
                 if j < len(mean):
@@ -1573,8 +1570,7 @@ class FastDecoder:
         # counts never chosen would stay unknown).
         full = [st.args[0].shape[1] - 1 for st in group]
         n, most = len(group), sum(full)
-        if not any(st.probs is not None and len(st.probs) and float(st.probs[0]) > 0.0
-                   for st in group):
+        if not any(_drafted(st.probs) for st in group):
             return [0] * n  # a lean round's placeholders (or no drafts): nothing to gain
         costs = self._round_costs.setdefault((k, n), RoundCosts())
         if n + most not in costs.seconds:
@@ -1670,7 +1666,7 @@ class FastDecoder:
             # A lean batched round's placeholders (probability 0, run_many) are no drafts:
             # a round that verifies them anyway (a lone round program verifies all k)
             # does not count them.
-            drafting = kk > 0 and float(probs[0]) > 0.0
+            drafting = kk > 0 and _drafted(probs)
             out, probs = yield Step("round", t, k, args, probs[:kk], slot=self.slot)
             vals = out.tolist()  # the one host read per round
             # A batched round may have verified fewer of the drafts (run_many).
@@ -1698,6 +1694,12 @@ class Step:
     args: tuple  # the program's arguments: tokens, position, the generation's caches, span
     probs: torch.Tensor | None = None  # round: the head's probabilities of its drafts [t - 1]
     slot: int | None = None  # the generation's slot in its decoder's pool (make_pool)
+
+
+def _drafted(probs: torch.Tensor | None) -> bool:
+    """Whether a round's drafts are the head's (a lean round's placeholders have
+    probability 0, FastDecoder.run_many)."""
+    return probs is not None and len(probs) > 0 and float(probs[0]) > 0.0
 
 
 class _Loaded:
