@@ -853,3 +853,35 @@ def test_programs_are_keyed_by_their_own_family_sources_only(engine_factory):
         for c in cls.__mro__:
             if c.__module__.startswith("mtpkit."):
                 assert c.__module__.rsplit(".", 1)[-1] + ".py" in names, c
+
+
+def test_placeholder_drafts_are_not_counted_as_drafts(engine_factory):
+    """A lean round leaves placeholder drafts (probability 0); the lone round program after
+    it verifies them anyway, and they must not count as drafts in the metrics (the
+    acceptance users see), while the tokens stay the lone run's."""
+    from mtpkit.engine.fast import PIECE, Step, _drafted
+
+    engine = engine_factory("llama")
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    want = _fast(dec, PROMPTS[1], 1)[0]
+    res = Result()
+    gen = dec.steps(PROMPTS[1], 24, 1, result=res, eos_ids=set())
+    got, real, lean_done, out = [], 0, False, None
+    item = next(gen)
+    while item is not None:
+        if isinstance(item, Step):
+            if item.kind == "round" and not lean_done:
+                # This round as a lean batched round answers it: one row, no drafting.
+                args = [(item.args[0][:, :1], *item.args[1:])]
+                (out,) = dec._lean_round([item], args, 1, pooled=False)
+                lean_done = True
+            else:
+                real += _drafted(item.probs)
+                out = dec.run(item)
+            item = gen.send(out)
+            continue
+        if item is not PIECE:
+            got += item
+        item = next(gen, None)
+    assert got == want and lean_done
+    assert res.metrics.num_drafts == real
