@@ -316,13 +316,17 @@ class Model:
         with _UserErrors():
             params.validate()
             engine.check_length(len(ids), params.max_tokens)
-            if engine.fast is not None and params.greedy:
+            if engine.fast_takes(params):
                 engine.fast.check_length(len(ids), params.max_tokens, k)
         self._end_live()
-        if engine.fast is not None and params.greedy and k not in self._warm:
+        warm = k if params.greedy else "sampled"
+        if engine.fast_takes(params) and warm not in self._warm:
             with _UserErrors():  # load (or, with compile="aoti", build) its programs
-                engine.fast.warmup(k)
-            self._warm.add(k)
+                if params.greedy:
+                    engine.fast.warmup(k)
+                else:
+                    engine.fast.warmup_pooled()
+            self._warm.add(warm)
         if stream:
             self._live = Stream(self.session.stream(ids, params, k), k)
             return self._live

@@ -106,14 +106,17 @@ def _cmd_generate(a) -> int:
         k = 0
     fast = session.engine.fast
     if fast is not None:
-        if not params.greedy:
+        if not session.engine.fast_takes(params):
             if a.compile != "auto":
-                print("note: --compile serves greedy requests; sampling runs eagerly",
+                print("note: --compile serves greedy requests here; sampling runs eagerly",
                       file=sys.stderr)
         else:
-            fast.warmup(k)
-            if a.compare and k:
-                fast.warmup(0)
+            if params.greedy:
+                fast.warmup(k)
+                if a.compare and k:
+                    fast.warmup(0)
+            else:
+                fast.warmup_pooled()
             st = fast.stats
             if st.loaded or st.compiled or a.compile != "auto":
                 print(f"compiled programs: {st.loaded} loaded, {st.compiled} built; ready "

@@ -96,8 +96,9 @@ def test_unsupported_models_fall_back(name, engine_factory, capsys):
     assert "--compile ignored" in capsys.readouterr().err
 
 
-def test_engine_routes_greedy_requests(engine_factory):
-    """Engine.generate uses the fast path for greedy requests, the eager one for sampling."""
+def test_engine_routes_requests_to_the_fast_path(engine_factory, monkeypatch):
+    """Engine.generate uses the fast path for greedy requests and for sampled ones where
+    the decoder samples (the eager engine otherwise)."""
     engine = engine_factory("llama_tied")
     want, _ = _eager(engine, PROMPTS[0], 3)
     try:
@@ -109,8 +110,12 @@ def test_engine_routes_greedy_requests(engine_factory):
         assert got == want and calls == [1]
         res = Result()
         params = SamplingParams(temperature=0.8, max_tokens=8, seed=1)
+        assert dec.samples
         assert len(list(engine.generate(PROMPTS[0], params, 3, result=res))) == 8
-        assert calls == [1]
+        assert calls == [1, 1]
+        monkeypatch.setattr(FastDecoder, "samples", property(lambda self: False))
+        assert len(list(engine.generate(PROMPTS[0], params, 3, result=Result()))) == 8
+        assert calls == [1, 1]
         with pytest.raises(ValueError, match="max-model-len"):
             list(engine.generate(PROMPTS[0], SamplingParams(max_tokens=250), 3))
     finally:
@@ -781,7 +786,7 @@ def test_compiled_pool_programs_batch_any_sequences_exactly(quantized_engines, t
                                                             monkeypatch):
     """The pool programs, compiled ahead of time once (rows, sequences and pool slots
     dynamic), step 2 and then 3 pooled forks together (every batch through them) with
-    each sequence's lone tokens; they call attend_pool through its C entry point and write
+    each sequence's lone tokens, greedy and sampled; they call attend_pool through its C entry point and write
     the pools in place (no copy of them)."""
     import zipfile
 
@@ -799,6 +804,21 @@ def test_compiled_pool_programs_batch_any_sequences_exactly(quantized_engines, t
                     for i, (f, p) in enumerate(zip(forks, prompts, strict=False))}
             got, _ = _lockstep(dec, gens)
             assert [got[i] for i in range(n)] == want[:n], (k, n)
+    # Sampled requests run the same two programs: a lone one (its own caches a pool of
+    # one slot, one row a step at k = 0) and three together draw what the uncompiled
+    # programs draw.
+    uncompiled = FastDecoder(engine.model, backend="eager", max_len=128)
+    for k in (0, 1):
+        settings = [SamplingParams(max_tokens=16, seed=s, **SAMPLED) for s in range(3)]
+        want = [list(uncompiled.generate(p, 16, k, eos_ids=set(), params=s))
+                for p, s in zip(prompts, settings, strict=True)]
+        assert list(dec.generate(prompts[0], 16, k, eos_ids=set(),
+                                 params=settings[0])) == want[0], k
+        forks = [dec.fork(slot) for slot in (3, 0, 2)]
+        gens = {i: f.steps(p, 16, k, result=Result(), eos_ids=set(), params=s)
+                for i, (f, p, s) in enumerate(zip(forks, prompts, settings, strict=True))}
+        got, _ = _lockstep(dec, gens)
+        assert [got[i] for i in range(3)] == want, k
     packages = {p.name.split("-")[0]: p for p in tmp_path.glob("*_pool-*.pt2")}
     assert set(packages) == {"trunk_pool", "head_pool"}
     for package in packages.values():
@@ -807,6 +827,62 @@ def test_compiled_pool_programs_batch_any_sequences_exactly(quantized_engines, t
                               if n.endswith(".wrapper.cpp"))
         assert "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_attend_pool(" in wrapper
         assert "aoti_torch_clone" not in wrapper and "aoti_torch_copy_" not in wrapper
+
+
+SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9)
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_sampled_requests_on_the_fast_path_draw_as_the_eager_engine(name, engine_factory):
+    """A sampled request on the fast path draws from its random stream in the eager
+    engine's order (the first token, k drafts, then a round's accept draws and its k new
+    drafts, fewer where max_tokens leaves no room) from the same probabilities: one seed,
+    the same tokens and draft counts."""
+    engine = engine_factory(name)
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    assert dec.samples
+    for k in (0, 1, 3):
+        for seed, prompt in enumerate(PROMPTS):
+            p = SamplingParams(max_tokens=24 - seed, seed=seed, **SAMPLED)
+            ref_res, res = Result(), Result()
+            ref = list(engine.generate(prompt, p, k, result=ref_res, eos_ids=set()))
+            got = list(dec.generate(prompt, p.max_tokens, k, result=res, eos_ids=set(),
+                                    params=p))
+            assert got == ref, (k, seed)
+            m, r = res.metrics, ref_res.metrics
+            assert (m.num_draft_tokens, m.num_accepted_tokens) == \
+                (r.num_draft_tokens, r.num_accepted_tokens), (k, seed)
+            assert (m.num_draft_tokens > 0) == (k > 0)
+        if name == "llama_tied":
+            continue  # its tied lm_head repeats the last token with probability 1 (~e^-50)
+        # A seed fixes the draws, not the prompt alone: the same prompts, other seeds.
+        runs = {tuple(dec.generate(prompt, 24, k, eos_ids=set(), params=SamplingParams(
+            max_tokens=24, seed=s, temperature=2.0))) for s in range(4) for prompt in PROMPTS}
+        assert len(runs) > len(PROMPTS)
+
+
+@pytest.mark.parametrize("name", ["llama", "w8a16-lm"])
+def test_pooled_forks_mixing_sampled_and_greedy_requests_keep_each_sequences_tokens(
+        name, engine_factory, quantized_engines):
+    """A server's slots stepped together, sampled requests (each its settings and seed)
+    beside greedy ones: every sequence gets the tokens of its lone run, k = 0..2."""
+    engine = quantized_engines[name] if name in quantized_engines else engine_factory(name)
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    assert dec.make_pool(4)
+    forks = [dec.fork(i) for i in (1, 3, 0, 2)]
+    prompts = [PROMPTS[1], PROMPTS[0], [(7 * i) % 90 + 1 for i in range(17)], PROMPTS[3]]
+    settings = [SamplingParams(max_tokens=20, seed=1, **SAMPLED), None,
+                SamplingParams(max_tokens=20, seed=2, temperature=1.0),
+                SamplingParams(max_tokens=20, seed=3, temperature=0.7, top_k=5)]
+    for k in (0, 1, 2):
+        lone = [list(dec.generate(p, 20, k, eos_ids=set(), params=s))
+                for p, s in zip(prompts, settings, strict=True)]
+        gens = {i: f.steps(p, 20, k, result=Result(), eos_ids=set(), chunk=6, params=s)
+                for i, (f, p, s) in enumerate(zip(forks, prompts, settings, strict=True))}
+        got, _ = _lockstep(dec, gens)
+        assert [got[i] for i in range(4)] == lone, f"k={k}"
+        if name == "llama":  # (the tied model's tokens are certain at any temperature)
+            assert lone[0] != _fast(dec, prompts[0], k, max_tokens=20)[0]
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["own-caches", "pooled"])

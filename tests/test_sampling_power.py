@@ -6,7 +6,8 @@ with probability min(1, p/q), else t2 comes from the residual max(0, p - q). The
 frequencies of (t1, t2) over many seeded generations are compared with the exact target
 probabilities p(t1) p(t2 | t1), computed from the model. The same check runs against three
 plausible bugs and must catch each: the residual drawn from p, acceptance with sqrt(p/q),
-and a drafter that samples from one temperature and reports q at another.
+and a drafter that samples from one temperature and reports q at another; on the eager
+engine and on the fast path (FastDecoder), which draw and accept in code of their own.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import pytest
 import torch
 from test_families import SharpDrafter
 
+from mtpkit.engine import fast as fast_mod
 from mtpkit.engine import generate as gen_mod
 from mtpkit.engine.accept import accept_sampled
-from mtpkit.engine.generate import MTPDrafter, Result
+from mtpkit.engine.fast import FastDecoder
+from mtpkit.engine.generate import MTPDrafter, Result, draw_draft
 from mtpkit.engine.sampling import SamplingParams, probs, sample
 
 PROMPT = [60, 61, 62, 63, 64, 65, 66, 67, 68]
@@ -83,6 +86,18 @@ class OtherTemperatureDrafter(SharpDrafter):
         return token, probs(logits[0], params)
 
 
+def _sharp_draft(logits, params, gen, vocab, vocab_size):
+    # The fast path's draft drawing as SharpDrafter draws (no draft vocabulary here).
+    q = probs(logits, SamplingParams(temperature=params.temperature * 0.3))
+    return int(sample(q, gen)), q
+
+
+def _draft_at_other_temperature(logits, params, gen, vocab, vocab_size):
+    # Bug: draws from the sharp q, reports q at the request's temperature.
+    token, _ = _sharp_draft(logits, params, gen, vocab, vocab_size)
+    return token, probs(logits, params)
+
+
 CASES = {  # name: (accept rule, drafter class, the check must pass)
     "head": (accept_sampled, MTPDrafter, True),
     "sharp": (accept_sampled, SharpDrafter, True),
@@ -90,22 +105,42 @@ CASES = {  # name: (accept rule, drafter class, the check must pass)
     "sqrt-ratio": (_sqrt_ratio, SharpDrafter, False),
     "q-at-other-temperature": (accept_sampled, OtherTemperatureDrafter, False),
 }
+# The fast path (FastDecoder: pooled programs, run uncompiled here) draws its drafts through
+# fast.draw_draft: (accept rule, draft drawing, the check must pass).
+FAST_CASES = {
+    "fast-head": (accept_sampled, draw_draft, True),
+    "fast-sharp": (accept_sampled, _sharp_draft, True),
+    "fast-residual-from-p": (_residual_from_p, _sharp_draft, False),
+    "fast-q-at-other-temperature": (accept_sampled, _draft_at_other_temperature, False),
+}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES) + list(FAST_CASES))
 def test_sampled_tokens_follow_the_target(case, engine_factory, monkeypatch):
-    rule, drafter_cls, lossless = CASES[case]
     engine = engine_factory("llama")
     params = SamplingParams(max_tokens=3, **PARAMS)
     expected = _exact_joint(engine, PROMPT, params) * SAMPLES
-    monkeypatch.setattr(gen_mod, "accept_sampled", rule)
-    drafter = drafter_cls(engine.model)
+    if case in FAST_CASES:
+        rule, draw, lossless = FAST_CASES[case]
+        monkeypatch.setattr(fast_mod, "accept_sampled", rule)
+        monkeypatch.setattr(fast_mod, "draw_draft", draw)
+        dec = FastDecoder(engine.model, backend="eager", max_len=64)
+        assert dec.samples
+
+        def run(p, res):
+            return dec.generate(PROMPT, 3, 1, result=res, eos_ids=set(), params=p)
+    else:
+        rule, drafter_cls, lossless = CASES[case]
+        monkeypatch.setattr(gen_mod, "accept_sampled", rule)
+        drafter = drafter_cls(engine.model)
+
+        def run(p, res):
+            return engine.generate(PROMPT, p, 1, result=res, drafter=drafter, eos_ids=set())
     counts = torch.zeros_like(expected)
     drafted = accepted = 0
     for seed in range(SAMPLES):
         res = Result()
-        p = SamplingParams(max_tokens=3, seed=seed, **PARAMS)
-        t = list(engine.generate(PROMPT, p, 1, result=res, drafter=drafter, eos_ids=set()))
+        t = list(run(SamplingParams(max_tokens=3, seed=seed, **PARAMS), res))
         counts[t[0], t[1]] += 1
         drafted += res.metrics.num_draft_tokens
         accepted += res.metrics.num_accepted_tokens

@@ -67,8 +67,10 @@ from ..quant.linear import (
     linear_rows,
     stack_outputs,
 )
+from .accept import accept_sampled
 from .budget import RoundCosts, choose_drafts, drafting_pays, top_drafts
-from .generate import Result, emit
+from .generate import Result, draw_draft, emit
+from .sampling import SamplingParams, probs
 
 BACKENDS = ("auto", "aoti", "inductor", "eager")
 log = logging.getLogger("mtpkit.fast")
@@ -541,10 +543,13 @@ class Programs(nn.Module):
         """Full-vocabulary fp32 logits of trunk states (a step's greedy picks)."""
         return self.model.logits(post) if self.lm_head is None else self.lm_head(post).float()
 
+    def draft_logits(self, state):
+        """The head's fp32 logits [B, N] for states [B, D] (N: the draft vocabulary's size)."""
+        return self.model.logits(state) if self.vocab is None else self.draft_head(state).float()
+
     def draft_pick(self, state):
         """Draft token (full-vocabulary id) [1] and its probability [1] for states [1, D]."""
-        logits = self.model.logits(state) if self.vocab is None else self.draft_head(state).float()
-        p, i = torch.softmax(logits, -1).max(-1)
+        p, i = torch.softmax(self.draft_logits(state), -1).max(-1)
         # index_select, not vocab[i]: a tensor index stays inside a compiled graph.
         return (i if self.vocab is None else self.vocab.index_select(0, i)), p
 
@@ -683,14 +688,16 @@ class Programs(nn.Module):
     def trunk_pool(self, ids, pos, slots, sizes, kpools, vpools):
         """trunk_rows over pooled caches: rows ids [1, N] at pos [N], sizes[b] of them
         sequence b's, whose caches are slot slots[b] of every layer's pools [S, Hkv, L, hd]
-        -> (the target's argmax a row [N], the state the head reads [1, N, D]). No shape
-        depends on the batch, so one compiled program takes them all."""
+        -> (the target's argmax a row [N], the state the head reads [1, N, D], the logits
+        [N, V] sampled requests draw from). No shape depends on the batch, so one compiled
+        program takes them all."""
         x = self.model.model.embed_tokens(ids)
         post, pre = self._layers_over(x, pos, lambda i, attn, qkv, cos, sin: _attend_pool(
             attn, qkv, cos, sin, kpools[i], vpools[i], slots, sizes, pos))
         spec = self.model.mtp.spec if self.model.mtp is not None else None
         hidden = pre if spec is not None and spec.trunk_hidden != "post_norm" else post
-        return argmax_rows(self.logits(post[0])), hidden
+        logits = self.logits(post[0])
+        return argmax_rows(logits), hidden, logits
 
     @every_row_exact()
     def head_pool(self, ids, states, pos, slots, sizes, hk, hv):
@@ -1129,10 +1136,11 @@ class FastDecoder:
 
     def _dynamic_shapes(self, example: tuple, kind: str = "") -> dict:
         if kind in POOL_KINDS:
-            # Rows, sequences and pool slots all dynamic: one program for every batch.
-            n = torch.export.Dim("rows", min=2, max=POOL_MAX_ROWS)
-            b = torch.export.Dim("seqs", min=2, max=POOL_MAX_ROWS)
-            sl = torch.export.Dim("slots", min=2, max=4096)
+            # Rows, sequences and pool slots all dynamic: one program for every batch, a
+            # lone sequence's one-row step and a decoder's own caches (one slot) included.
+            n = torch.export.Dim("rows", min=1, max=POOL_MAX_ROWS)
+            b = torch.export.Dim("seqs", min=1, max=POOL_MAX_ROWS)
+            sl = torch.export.Dim("slots", min=1, max=4096)
             if kind == "head_pool":  # ids, states, pos, slots, sizes, hk, hv
                 return {"args": ({1: n}, {1: n}, {0: n}, {0: b}, {0: b}, {0: sl}, {0: sl})}
             layers = len(example[4])  # ids, pos, slots, sizes, kpools, vpools
@@ -1366,9 +1374,12 @@ class FastDecoder:
                 f"{self.max_len} (raise --max-model-len)"
             )
 
-    def _prefill(self, prompt_ids: list[int], k: int, chunk: int | None = None):
+    def _prefill(self, prompt_ids: list[int], k: int, chunk: int | None = None,
+                 sampler: _Sampler | None = None):
         """Run the prompt (eagerly, any length), ``chunk`` positions at a time, yielding
-        between pieces; returns the first token [1] and, with k, the first drafts."""
+        between pieces; returns the first token [1] and, with k, the first drafts and
+        their probabilities (greedy: of each draft [k]; ``sampler``: the distributions the
+        drafts were drawn from [k, V])."""
         pr, dev, n = self.programs, self.device, len(prompt_ids)
         ids = torch.tensor([prompt_ids], device=dev)
         pos = torch.arange(n, device=dev)
@@ -1384,9 +1395,10 @@ class FastDecoder:
             post, pre = pr.trunk(ids[:, s:e], pos[s:e], self.kc, self.vc, self.span(e))
             if spec is not None:
                 keep.append(post if spec.trunk_hidden == "post_norm" else pre)
-        first = pr.model.logits(post[:, -1]).argmax(-1)
+        last = pr.model.logits(post[:, -1])
+        first = last.argmax(-1) if sampler is None else sampler.pick(last[0])
         if not k:
-            return first, None, None
+            return first, (None if sampler is None else drafts_none(dev)), None
         hidden = torch.cat(keep, 1)
         head_ids = torch.cat([ids[:, 1:], first[None]], 1)
         for s, e in pieces:
@@ -1395,9 +1407,17 @@ class FastDecoder:
             hpost, hpre = pr.head(head_ids[:, s:e], hidden[:, s:e], pos[s:e], self.hk, self.hv,
                                   self.span(e), zero_first=spec.zero_first_embedding and s == 0)
         state = hpost if spec.chain_hidden == "post_norm" else hpre
-        drafts, probs = pr.chain(hpost[0, -1:], state[0, -1:], torch.tensor([n], device=dev),
-                                 self.hk, self.hv, k, self.span(n + k))
-        return first, drafts, probs
+        at = torch.tensor([n], device=dev)
+        if sampler is not None:
+            if not sampler.draws(k):
+                return first, drafts_none(dev), None
+            pools, slots = self._pools_of(self.slot, self.kc, self.vc, self.hk, self.hv)
+            drafts, qs = self._draw_chain([sampler], hpost[0, -1:], state[0, -1:], at, k,
+                                          slots, pools[2:])
+            return first, drafts[0], qs[0]
+        drafts, ps = pr.chain(hpost[0, -1:], state[0, -1:], at, self.hk, self.hv, k,
+                              self.span(n + k))
+        return first, drafts, ps
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], k: int):
@@ -1410,10 +1430,12 @@ class FastDecoder:
             return done.value
 
     def generate(self, prompt_ids: list[int], max_tokens: int, k: int = 0, result=None,
-                 eos_ids: set[int] | None = None) -> Iterator[int]:
-        """Greedy tokens after ``prompt_ids``; ``result`` (engine.generate.Result) receives
-        finish reason and metrics as the eager engine fills them."""
-        steps = self.steps(prompt_ids, max_tokens, k, result, eos_ids)
+                 eos_ids: set[int] | None = None,
+                 params: SamplingParams | None = None) -> Iterator[int]:
+        """Tokens after ``prompt_ids``, greedy unless ``params`` samples; ``result``
+        (engine.generate.Result) receives finish reason and metrics as the eager engine
+        fills them."""
+        steps = self.steps(prompt_ids, max_tokens, k, result, eos_ids, params=params)
         return self._drive(steps)
 
     def _drive(self, steps) -> Iterator[int]:
@@ -1430,6 +1452,8 @@ class FastDecoder:
     @torch.inference_mode()
     def run(self, step: Step):
         """One program call a generation asked for."""
+        if step.kind == "sample":
+            return self._sample_many([step], step.k)[0]
         return self.program(step.kind, step.t, step.k)(*step.args)
 
     @torch.inference_mode()
@@ -1445,6 +1469,12 @@ class FastDecoder:
         pr = self.programs
         for (kind, k), idx in groups.items():
             n = len(idx)
+            if kind == "sample":
+                # Pooled programs whatever the batch: one call for all is never the slower.
+                got = self._sample_many([steps[i] for i in idx], k)
+                for i, g in zip(idx, got, strict=True):
+                    out[i] = g
+                continue
             if n == 1 or not pr.batchable or not self._batch_pays(kind, k, n):
                 t0 = time.perf_counter()
                 for i in idx:
@@ -1490,8 +1520,8 @@ class FastDecoder:
         pos = torch.cat([a[1] for a in args])
         slots = torch.tensor([st.slot for st in group], device=self.device)
         kpools, vpools, _, _ = self._pool
-        targets, _ = self.program("trunk_pool")(ids, pos, slots, torch.ones_like(slots),
-                                                kpools, vpools)
+        targets, _, _ = self.program("trunk_pool")(ids, pos, slots, torch.ones_like(slots),
+                                                   kpools, vpools)
         return list(targets.split(1))
 
     def _pooled_passes(self, group: list[Step]) -> dict:
@@ -1507,9 +1537,9 @@ class FastDecoder:
 
         def trunk(seqs):
             sizes, st = sizes_of(seqs)
-            targets, hidden = trunk_fn(torch.cat([ids for ids, *_ in seqs], 1),
-                                       torch.cat([pos for _, pos, *_ in seqs]), slots, st,
-                                       kpools, vpools)
+            targets, hidden, _ = trunk_fn(torch.cat([ids for ids, *_ in seqs], 1),
+                                          torch.cat([pos for _, pos, *_ in seqs]), slots, st,
+                                          kpools, vpools)
             return targets, list(hidden.split(sizes, 1))
 
         def head(seqs):
@@ -1520,6 +1550,89 @@ class FastDecoder:
             return list(zip(post.split(sizes, 1), chain.split(sizes, 1), strict=True))
 
         return {"trunk": trunk, "head": head}
+
+    def _pools_of(self, slot: int | None, kc, vc, hk, hv) -> tuple:
+        # The pools a generation's pooled programs take and its slot there [1]: the
+        # decoder's pool where the generation has a slot in it, else its own caches
+        # (kc, vc, hk, hv), a pool of one.
+        if slot is not None and self._pool is not None:
+            return self._pool, torch.tensor([slot], device=self.device)
+        return (kc, vc, hk, hv), torch.zeros(1, dtype=torch.long, device=self.device)
+
+    def _sample_many(self, group: list[Step], k: int) -> list:
+        """Sampled rounds of several generations: one trunk_pool call verifies every
+        sequence's drafts, each accepts by the lossless rule (engine/accept.py) with its own
+        settings and random stream, then one head_pool call a draft step catches every head
+        up and chains k new drafts -> [(emitted tokens, drafts [k], their q [k, V])]."""
+        pooled = self._pool is not None and all(st.slot is not None for st in group)
+        if len(group) > 1 and not pooled:
+            return [self._sample_many([st], k)[0] for st in group]
+        dev = self.device
+        if pooled:
+            (kpools, vpools, hk, hv) = self._pool
+            slots = torch.tensor([st.slot for st in group], device=dev)
+        else:
+            (kpools, vpools, hk, hv), slots = self._pools_of(None, *group[0].args[2:])
+        tokens = [st.args[0] for st in group]
+        sizes = [t.shape[1] for t in tokens]
+        pos0 = [st.args[1] for st in group]
+        pos = torch.cat([p + torch.arange(n, device=dev) for p, n in zip(pos0, sizes, strict=True)])
+        _, hidden, logits = self.program("trunk_pool")(
+            torch.cat(tokens, 1), pos, slots, torch.tensor(sizes, device=dev), kpools, vpools)
+        emitted = []
+        for st, rows, tok in zip(group, logits.split(sizes), tokens, strict=True):
+            sm = st.sampler
+            n, nxt = accept_sampled(tok[0, 1:].tolist(), st.probs, probs(rows, sm.params),
+                                    sm.gen)
+            emitted.append([*tok[0, 1 : n + 1].tolist(), nxt])
+            sm.left -= n + 1
+        if not any(st.sampler.draws(k) for st in group):
+            return [(e, None, None) for e in emitted]
+        # Head catch-up on every accepted position with its true token: the accepted drafts
+        # and the token drawn after them (rows 0..n of the trunk's states).
+        grown = [len(e) for e in emitted]
+        ids = torch.tensor([[t for e in emitted for t in e]], device=dev)
+        states = torch.cat([h[:, :g] for h, g in zip(hidden.split(sizes, 1), grown,
+                                                       strict=True)], 1)
+        hpos = torch.cat([p + torch.arange(g, device=dev) for p, g in zip(pos0, grown,
+                                                                           strict=True)])
+        post, chain = self.program("head_pool")(ids, states, hpos, slots,
+                                                torch.tensor(grown, device=dev), hk, hv)
+        last = torch.tensor(grown, device=dev).cumsum(0) - 1
+        drafts, qs = self._draw_chain([st.sampler for st in group], post[0].index_select(0, last),
+                                      chain[0].index_select(0, last),
+                                      torch.cat([p + g for p, g in zip(pos0, grown, strict=True)]),
+                                      k, slots, (hk, hv))
+        return list(zip(emitted, drafts, qs, strict=True))
+
+    def _draw_chain(self, samplers: list[_Sampler], post, state, pos, k: int, slots,
+                    head_cache: tuple) -> tuple[list, list]:
+        """Up to k sampled drafts a sequence (_Sampler.draws) from head states post, state
+        [B, D] (the first draft's and the state fed on) at positions pos [B], each further
+        draft one head_pool call for all -> (drafts [k_b] a sequence, their q [k_b, V])."""
+        pr = self.programs
+        vocab_size = self.model.config.vocab_size
+        ones = torch.ones(len(samplers), dtype=torch.long, device=self.device)
+        want = [sm.draws(k) for sm in samplers]
+        drafts: list[list[int]] = [[] for _ in samplers]
+        qs: list[list[torch.Tensor]] = [[] for _ in samplers]
+        for step in range(max(want)):
+            if step:
+                # (a sequence that drafts no further rides along: its head cache's entries
+                # past its drafts are overwritten before they are read)
+                tok = torch.tensor([[d[-1] if d else 0 for d in drafts]], device=self.device)
+                p, c = self.program("head_pool")(tok, state[None], pos, slots, ones,
+                                                 *head_cache)
+                post, state = p[0], c[0]
+                pos = pos + 1
+            logits = pr.draft_logits(post)
+            for b, sm in enumerate(samplers):
+                if step < want[b]:
+                    token, q = draw_draft(logits[b], sm.params, sm.gen, pr.vocab, vocab_size)
+                    drafts[b].append(token)
+                    qs[b].append(q)
+        return ([torch.tensor(d, dtype=torch.long, device=self.device) for d in drafts],
+                [torch.stack(q) if q else None for q in qs])
 
     def _lean_round(self, group: list[Step], args: list, k: int, pooled: bool) -> list:
         # Rounds of one row each (the pending token) that draft nothing, as decode steps:
@@ -1601,21 +1714,39 @@ class FastDecoder:
         prefer = self._times[batch] <= n * self._times[single]
         return prefer if turn % 50 else not prefer
 
+    @property
+    def samples(self) -> bool:
+        """Whether sampled requests can take this decoder: their steps run the pooled
+        programs (a lone decoder's own caches are a pool of one)."""
+        return self.poolable
+
     def steps(self, prompt_ids: list[int], max_tokens: int, k: int = 0, result=None,
-              eos_ids: set[int] | None = None, chunk: int | None = None):
+              eos_ids: set[int] | None = None, chunk: int | None = None,
+              params: SamplingParams | None = None):
         """generate() a step at a time. Each next() or send() gives one of: a list of the
         tokens just emitted; PIECE, after a ``chunk``-position piece of the prompt; or a
         Step, a program call whose result the caller sends back (run, or run_many for
-        several generations at once). A server interleaves other sequences between."""
+        several generations at once). A server interleaves other sequences between.
+        ``params``: sample as they say (greedy when None or greedy)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
+        sampler = None
+        if params is not None and not params.greedy:
+            if not self.samples:
+                raise ValueError("this decoder cannot sample (its steps do not pool); "
+                                 "sampled requests run on the eager engine")
+            params.validate()
+            sampler = _Sampler(params, self.device, max_tokens)
         k = self.served_k(k) if self.has_mtp else 0
         self.check_length(len(prompt_ids), max_tokens, k)
-        self.warmup(k)
+        if sampler is None:
+            self.warmup(k)
+        else:
+            self.warmup_pooled()
         res = result if result is not None else Result()
-        return self._steps(prompt_ids, max_tokens, k, res, eos_ids or set(), chunk)
+        return self._steps(prompt_ids, max_tokens, k, res, eos_ids or set(), chunk, sampler)
 
-    def _steps(self, prompt_ids, max_tokens, k, res, eos_ids, chunk):
+    def _steps(self, prompt_ids, max_tokens, k, res, eos_ids, chunk, sampler=None):
         # Inference mode is entered per step, not around the generator: a server steps it
         # from its own thread between other work.
         with torch.inference_mode():
@@ -1623,7 +1754,7 @@ class FastDecoder:
             m.prompt_tokens = len(prompt_ids)
             threads.tick()
             t0 = time.perf_counter()
-            prefill = self._prefill(prompt_ids, k, chunk)
+            prefill = self._prefill(prompt_ids, k, chunk, sampler)
         while True:
             with torch.inference_mode():
                 try:
@@ -1642,6 +1773,23 @@ class FastDecoder:
             if res.finish_reason is not None:
                 return
             threads.tick()
+            if sampler is not None:
+                # A sampled round: its drafts (up to k; none at k = 0 or at the end) and
+                # probs, the distributions they were drawn from [drafts, V].
+                with torch.inference_mode():
+                    tokens = torch.cat([pending.view(1), drafts])[None]
+                    args = (tokens, torch.tensor([at], device=dev), self.kc, self.vc,
+                            self.hk, self.hv)
+                drafted = len(drafts)
+                emitted, drafts, probs = yield Step("sample", drafted + 1, k, args, probs,
+                                                    slot=self.slot, sampler=sampler)
+                if drafts is None:
+                    drafts = drafts_none(dev)
+                n = len(emitted) - 1
+                m.record(drafted, n)
+                at += n + 1
+                pending = torch.tensor(emitted[-1:], device=dev)
+                continue
             if k == 0:
                 # Decode and round read the same span at a position (k <= 31), so a row's
                 # attention call is the same whichever step computes it.
@@ -1684,6 +1832,11 @@ class FastDecoder:
 PIECE = "piece"  # what FastDecoder.steps gives after a piece of the prompt
 
 
+def drafts_none(device: torch.device) -> torch.Tensor:
+    """No drafts: an empty token tensor."""
+    return torch.zeros(0, dtype=torch.long, device=device)
+
+
 @dataclass
 class Step:
     """A program call a generation asks for (FastDecoder.steps)."""
@@ -1692,8 +1845,35 @@ class Step:
     t: int  # rows verified (round)
     k: int  # draft depth (round)
     args: tuple  # the program's arguments: tokens, position, the generation's caches, span
-    probs: torch.Tensor | None = None  # round: the head's probabilities of its drafts [t - 1]
+    # round: the head's probabilities of its drafts [t - 1]; sample: the distributions the
+    # drafts were drawn from [k, V]
+    probs: torch.Tensor | None = None
     slot: int | None = None  # the generation's slot in its decoder's pool (make_pool)
+    sampler: _Sampler | None = None  # sample: the request's settings and random stream
+
+
+class _Sampler:
+    """A sampled request's settings and its own random stream, seeded as the eager
+    engine seeds it."""
+
+    def __init__(self, params: SamplingParams, device: torch.device, max_tokens: int) -> None:
+        self.params = params
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.left = max_tokens  # tokens the request may still emit
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The first token [1], drawn from the target's logits [V]."""
+        from .sampling import sample
+
+        self.left -= 1
+        return sample(probs(logits, self.params), self.gen).view(1)
+
+    def draws(self, k: int) -> int:
+        """Drafts to draw for the next round: k, or fewer where the tokens still allowed
+        would not take them all (as the eager engine drafts, so that both draw the same
+        numbers from a seed)."""
+        return max(0, min(k, self.left - 1))
 
 
 def _drafted(probs: torch.Tensor | None) -> bool:

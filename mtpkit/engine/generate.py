@@ -97,13 +97,21 @@ class MTPDrafter:
         if params.greedy:
             i = int(logits[0].argmax())
             return (int(self.vocab[i]) if self.vocab is not None else i), None
-        q = probs(logits[0], params)
-        i = int(sample(q, gen))
-        if self.vocab is None:
-            return i, q
-        full = torch.zeros(self.model.config.vocab_size, device=q.device)
-        full[self.vocab] = q
-        return int(self.vocab[i]), full
+        return draw_draft(logits[0], params, gen, self.vocab, self.model.config.vocab_size)
+
+
+def draw_draft(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
+               vocab: torch.Tensor | None, vocab_size: int) -> tuple[int, torch.Tensor]:
+    """A sampled draft from the head's logits [N] (over ``vocab``, the draft vocabulary, or
+    the whole one) and the full-vocabulary q [V] it was drawn from: the same settings as the
+    target's, since the accept rule needs the q the draft really came from."""
+    q = probs(logits, params)
+    i = int(sample(q, gen))
+    if vocab is None:
+        return i, q
+    full = torch.zeros(vocab_size, device=q.device)
+    full[vocab] = q
+    return int(vocab[i]), full
 
 
 class Engine:
@@ -145,6 +153,10 @@ class Engine:
             self._mtp_cache.reset()
         return self._cache, self._mtp_cache
 
+    def fast_takes(self, params: SamplingParams) -> bool:
+        """Whether requests with these settings run on the fast path (engine.fast)."""
+        return self.fast is not None and (params.greedy or self.fast.samples)
+
     def check_length(self, prompt_len: int, max_tokens: int) -> None:
         """Raise ValueError when prompt plus max_tokens exceeds the context."""
         if prompt_len + max_tokens > self.max_model_len:
@@ -178,8 +190,9 @@ class Engine:
             eos_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         if params.ignore_eos:
             eos_ids = set()
-        if self.fast is not None and params.greedy and drafter is self.drafter:
-            yield from self.fast.generate(prompt_ids, params.max_tokens, k, res, eos_ids)
+        if self.fast_takes(params) and drafter is self.drafter:
+            yield from self.fast.generate(prompt_ids, params.max_tokens, k, res, eos_ids,
+                                          params=params)
             return
         gen = None
         if not params.greedy:

@@ -302,7 +302,7 @@ class _Worker:
 
 
 class _FastWorker(_Worker):
-    """A greedy request on the fast path, advanced by the engine thread itself
+    """A request on the fast path, advanced by the engine thread itself
     (FastDecoder.steps): no thread of its own. A turn streams what the last step emitted
     and stops at the next program call (or after a prompt piece); the engine thread runs
     every waiting call of every sequence together at the start of each round
@@ -337,7 +337,8 @@ class _FastWorker(_Worker):
                 eos = set() if req.params.ignore_eos else set(sched.tokenizer.eos_token_ids)
                 self.steps = self.slot.fast.steps(
                     req.prompt_ids, req.params.max_tokens, sched.num_draft_tokens,
-                    result=self.result, eos_ids=eos, chunk=sched.prefill_chunk)
+                    result=self.result, eos_ids=eos, chunk=sched.prefill_chunk,
+                    params=req.params)
             if self.step is not None and not self.has_out:
                 return  # its call has not run yet
             item = self._advance()
@@ -435,8 +436,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_model_len = max_model_len
         self.stats = stats
-        # ``fast``: a FastDecoder whose programs serve the greedy requests (each slot forks
-        # caches of its own from it); sampled requests run the eager engine.
+        # ``fast``: a FastDecoder whose programs serve the requests (each slot forks caches
+        # of its own from it); sampled requests run the eager engine where it cannot sample.
         self.fast = fast
         if fast is not None:
             # Every slot's caches a slot of one pool: a step of any running sequences is
@@ -626,8 +627,8 @@ class Scheduler:
             w.start()
 
     def _fast_fits(self, req: Request) -> bool:
-        # Greedy requests that fit the fast path's cache take it; the rest run the eager
-        # engine (sampling, longer contexts).
-        return (req.params.greedy and self.fast is not None
+        # Requests that fit the fast path's cache take it (sampled ones where it samples);
+        # the rest run the eager engine (longer contexts).
+        return (self.fast is not None and (req.params.greedy or self.fast.samples)
                 and self.fast.fits(len(req.prompt_ids), req.params.max_tokens,
                                    self.num_draft_tokens))
