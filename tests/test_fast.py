@@ -885,6 +885,32 @@ def test_pooled_forks_mixing_sampled_and_greedy_requests_keep_each_sequences_tok
             assert lone[0] != _fast(dec, prompts[0], k, max_tokens=20)[0]
 
 
+def test_lean_sampled_rounds_spare_seeded_requests(engine_factory, monkeypatch):
+    """Where drafting does not pay, a batch's sampled requests without a seed draft
+    nothing (plain sampled steps); a seeded one beside them keeps drafting, and the tokens
+    of its lone run."""
+    engine = engine_factory("llama")
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    assert dec.make_pool(3)
+    asked = []
+    monkeypatch.setattr(FastDecoder, "_lean",
+                        lambda self, k, n, sampled=False: asked.append(sampled) or sampled)
+    seeded = SamplingParams(max_tokens=20, seed=5, **SAMPLED)
+    settings = [seeded, SamplingParams(max_tokens=20, **SAMPLED),
+                SamplingParams(max_tokens=20, temperature=1.0)]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]]
+    want = list(dec.generate(prompts[0], 20, 2, eos_ids=set(), params=seeded))
+    results = [Result() for _ in prompts]
+    gens = {i: dec.fork(i).steps(p, 20, 2, result=r, eos_ids=set(), params=s)
+            for i, (p, s, r) in enumerate(zip(prompts, settings, results, strict=True))}
+    got, _ = _lockstep(dec, gens)
+    assert got[0] == want and asked and all(asked)
+    assert all(len(got[i]) == 20 for i in (1, 2))
+    drafted = [r.metrics.num_draft_tokens for r in results]
+    # The unseeded ones verify only the drafts drawn after their prompt.
+    assert drafted[0] > 10 and drafted[1] <= 2 and drafted[2] <= 2
+
+
 @pytest.mark.parametrize("pooled", [False, True], ids=["own-caches", "pooled"])
 def test_lean_rounds_keep_each_sequences_tokens(pooled, engine_factory, monkeypatch):
     """Batched rounds that draft nothing (where drafting does not pay: FastDecoder._lean)

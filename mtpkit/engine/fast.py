@@ -1001,6 +1001,11 @@ class FastDecoder:
         self._round_costs: dict[tuple, RoundCosts] = {}  # (k, sequences) -> round costs
         self._lean_costs: dict[tuple, RoundCosts] = {}  # the same, of rounds drafting nothing
         self._draft_p: list[float] = []  # the head's mean probability a draft position
+        # The same for sampled rounds: their costs, and how often a draft at each position
+        # is accepted once those before it are.
+        self._sample_costs: dict[tuple, RoundCosts] = {}
+        self._sample_lean_costs: dict[tuple, RoundCosts] = {}
+        self._sample_accept: list[float] = []
 
     @property
     def has_mtp(self) -> bool:
@@ -1471,7 +1476,21 @@ class FastDecoder:
             n = len(idx)
             if kind == "sample":
                 # Pooled programs whatever the batch: one call for all is never the slower.
-                got = self._sample_many([steps[i] for i in idx], k)
+                # Requests without a seed draft nothing where drafting does not pay (a
+                # seeded one keeps the draws of its lone run, and so its text).
+                group = [steps[i] for i in idx]
+                lean = k > 0 and self._lean(k, n, sampled=True)
+                for st in group:
+                    st.sampler.lean = lean and st.sampler.params.seed is None
+                threads.tick()
+                t0 = time.perf_counter()
+                got = self._sample_many(group, k)
+                seconds = time.perf_counter() - t0
+                if k:
+                    drew = any(d is not None and len(d) for _, d, _ in got)
+                    costs = self._sample_costs if drew else self._sample_lean_costs
+                    costs.setdefault((k, n), RoundCosts()).record(
+                        sum(st.args[0].shape[1] for st in group), seconds)
                 for i, g in zip(idx, got, strict=True):
                     out[i] = g
                 continue
@@ -1580,12 +1599,21 @@ class FastDecoder:
         _, hidden, logits = self.program("trunk_pool")(
             torch.cat(tokens, 1), pos, slots, torch.tensor(sizes, device=dev), kpools, vpools)
         emitted = []
+        chance = self._sample_accept
         for st, rows, tok in zip(group, logits.split(sizes), tokens, strict=True):
             sm = st.sampler
-            n, nxt = accept_sampled(tok[0, 1:].tolist(), st.probs, probs(rows, sm.params),
-                                    sm.gen)
-            emitted.append([*tok[0, 1 : n + 1].tolist(), nxt])
+            drafts = tok[0, 1:].tolist()
+            n, nxt = accept_sampled(drafts, st.probs, probs(rows, sm.params), sm.gen)
+            emitted.append([*drafts[:n], nxt])
             sm.left -= n + 1
+            # Each position's chance of acceptance given the ones before it (observed up to
+            # the first rejection), a moving average (_lean).
+            for j in range(min(n + 1, len(drafts))):
+                hit = float(j < n)
+                if j < len(chance):
+                    chance[j] = 0.9 * chance[j] + 0.1 * hit
+                else:
+                    chance.append(hit)
         if not any(st.sampler.draws(k) for st in group):
             return [(e, None, None) for e in emitted]
         # Head catch-up on every accepted position with its true token: the accepted drafts
@@ -1659,19 +1687,23 @@ class FastDecoder:
                 else:
                     mean.append(p)
 
-    def _lean(self, k: int, n: int) -> bool:
+    def _lean(self, k: int, n: int, sampled: bool = False) -> bool:
         # Whether this batched round drafts nothing (engine/budget.py: drafting_pays). At a
         # batch size where the head's drafts cost more than their accepted tokens bring,
         # MTP would make the server slower than no MTP: its rounds then run the trunk only.
         # Drafting rounds are measured first, then a lean one; then the measured costs
         # decide, except every EXPLORE-th round, which takes the other way to keep both
-        # costs current (and the head's probabilities known).
-        full, lean = self._round_costs.get((k, n)), self._lean_costs.get((k, n))
-        if full is None or not full.seconds or not self._draft_p:
+        # costs current (and the head's probabilities known). ``sampled``: of sampled
+        # rounds, whose costs and chances of acceptance (measured, not the head's
+        # probabilities) are kept apart.
+        tables = ((self._sample_costs, self._sample_lean_costs, self._sample_accept) if sampled
+                  else (self._round_costs, self._lean_costs, self._draft_p))
+        full, lean, chance = tables[0].get((k, n)), tables[1].get((k, n)), tables[2]
+        if full is None or not full.seconds or not chance:
             return False
         if lean is None:
             return True
-        pays = drafting_pays(self._draft_p[:k], n, full.estimate, lean.estimate(n)
+        pays = drafting_pays(chance[:k], n, full.estimate, lean.estimate(n)
                              or min(lean.seconds.values()))
         return pays if (full.turns + lean.turns) % (4 * EXPLORE) == 0 else not pays
 
@@ -1861,6 +1893,7 @@ class _Sampler:
         self.gen = torch.Generator(device=device)
         self.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.left = max_tokens  # tokens the request may still emit
+        self.lean = False  # draft nothing for the next round (FastDecoder.run_many)
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The first token [1], drawn from the target's logits [V]."""
@@ -1873,7 +1906,7 @@ class _Sampler:
         """Drafts to draw for the next round: k, or fewer where the tokens still allowed
         would not take them all (as the eager engine drafts, so that both draw the same
         numbers from a seed)."""
-        return max(0, min(k, self.left - 1))
+        return 0 if self.lean else max(0, min(k, self.left - 1))
 
 
 def _drafted(probs: torch.Tensor | None) -> bool:

@@ -66,6 +66,17 @@ def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(prob: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row of probabilities [..., V]."""
-    flat = prob.reshape(-1, prob.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(prob.shape[:-1])
+    """Draw one token per row of probabilities [..., V] (any non-negative weights)."""
+    # By the inverse of the cumulative distribution: token i when c[i-1] <= u < c[i], for u
+    # uniform on [0, total). torch.multinomial computes the same thing far slower on a CPU
+    # (over a 49k vocabulary it cost more than a decode step). Summed in float64, so that
+    # every token's share of [0, total) is its probability to within 1e-16, however small.
+    flat = prob.reshape(-1, prob.shape[-1]).double()
+    c = flat.cumsum(-1)
+    total = c[:, -1:].contiguous()
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64,
+                   device=prob.device) * total
+    # u < total exactly; where rounding made u * total reach it, the last token with mass.
+    idx = torch.minimum(torch.searchsorted(c, u, right=True),
+                        torch.searchsorted(c, total, right=False))
+    return idx.reshape(prob.shape[:-1])
