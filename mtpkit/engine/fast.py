@@ -40,6 +40,7 @@ engine.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import hashlib
 import json
@@ -1478,19 +1479,27 @@ class FastDecoder:
                 # Pooled programs whatever the batch: one call for all is never the slower.
                 # Requests without a seed draft nothing where drafting does not pay (a
                 # seeded one keeps the draws of its lone run, and so its text).
-                group = [steps[i] for i in idx]
+                # A lean round verifies none of their drafts either (dropping a draft never
+                # changes what a sampled token's distribution is).
                 lean = k > 0 and self._lean(k, n, sampled=True)
-                for st in group:
+                group = []
+                for i in idx:
+                    st = steps[i]
                     st.sampler.lean = lean and st.sampler.params.seed is None
+                    if st.sampler.lean and st.t > 1:
+                        st = dataclasses.replace(st, t=1, args=(st.args[0][:, :1],
+                                                                *st.args[1:]), probs=None)
+                    group.append(st)
                 threads.tick()
                 t0 = time.perf_counter()
                 got = self._sample_many(group, k)
                 seconds = time.perf_counter() - t0
                 if k:
-                    drew = any(d is not None and len(d) for _, d, _ in got)
-                    costs = self._sample_costs if drew else self._sample_lean_costs
-                    costs.setdefault((k, n), RoundCosts()).record(
-                        sum(st.args[0].shape[1] for st in group), seconds)
+                    drew = any(d is not None and len(d) for _, _, d, _ in got)
+                    rows = sum(st.t for st in group)
+                    costs = (self._sample_costs if drew or rows > n
+                             else self._sample_lean_costs)
+                    costs.setdefault((k, n), RoundCosts()).record(rows, seconds)
                 for i, g in zip(idx, got, strict=True):
                     out[i] = g
                 continue
@@ -1582,7 +1591,8 @@ class FastDecoder:
         """Sampled rounds of several generations: one trunk_pool call verifies every
         sequence's drafts, each accepts by the lossless rule (engine/accept.py) with its own
         settings and random stream, then one head_pool call a draft step catches every head
-        up and chains k new drafts -> [(emitted tokens, drafts [k], their q [k, V])]."""
+        up and chains k new drafts -> [(emitted tokens, drafts verified, next drafts [k],
+        their q [k, V])]."""
         pooled = self._pool is not None and all(st.slot is not None for st in group)
         if len(group) > 1 and not pooled:
             return [self._sample_many([st], k)[0] for st in group]
@@ -1614,10 +1624,13 @@ class FastDecoder:
                     chance[j] = 0.9 * chance[j] + 0.1 * hit
                 else:
                     chance.append(hit)
-        if not any(st.sampler.draws(k) for st in group):
-            return [(e, None, None) for e in emitted]
+        verified = [n - 1 for n in sizes]
+        if not k:
+            return [(e, v, None, None) for e, v in zip(emitted, verified, strict=True)]
         # Head catch-up on every accepted position with its true token: the accepted drafts
-        # and the token drawn after them (rows 0..n of the trunk's states).
+        # and the token drawn after them (rows 0..n of the trunk's states). Lean rounds too,
+        # which draw nothing: a row a sequence costs little beside the trunk pass, and a head
+        # whose cache missed positions drafts worse once drafting pays again.
         grown = [len(e) for e in emitted]
         ids = torch.tensor([[t for e in emitted for t in e]], device=dev)
         states = torch.cat([h[:, :g] for h, g in zip(hidden.split(sizes, 1), grown,
@@ -1631,7 +1644,7 @@ class FastDecoder:
                                       chain[0].index_select(0, last),
                                       torch.cat([p + g for p, g in zip(pos0, grown, strict=True)]),
                                       k, slots, (hk, hv))
-        return list(zip(emitted, drafts, qs, strict=True))
+        return list(zip(emitted, verified, drafts, qs, strict=True))
 
     def _draw_chain(self, samplers: list[_Sampler], post, state, pos, k: int, slots,
                     head_cache: tuple) -> tuple[list, list]:
@@ -1812,9 +1825,8 @@ class FastDecoder:
                     tokens = torch.cat([pending.view(1), drafts])[None]
                     args = (tokens, torch.tensor([at], device=dev), self.kc, self.vc,
                             self.hk, self.hv)
-                drafted = len(drafts)
-                emitted, drafts, probs = yield Step("sample", drafted + 1, k, args, probs,
-                                                    slot=self.slot, sampler=sampler)
+                emitted, drafted, drafts, probs = yield Step(
+                    "sample", len(drafts) + 1, k, args, probs, slot=self.slot, sampler=sampler)
                 if drafts is None:
                     drafts = drafts_none(dev)
                 n = len(emitted) - 1
