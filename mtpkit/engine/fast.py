@@ -40,7 +40,6 @@ engine.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import hashlib
 import json
@@ -1479,17 +1478,12 @@ class FastDecoder:
                 # Pooled programs whatever the batch: one call for all is never the slower.
                 # Requests without a seed draft nothing where drafting does not pay (a
                 # seeded one keeps the draws of its lone run, and so its text).
-                # A lean round verifies none of their drafts either (dropping a draft never
-                # changes what a sampled token's distribution is).
+                # (Drafts drawn before are still verified: that is what measures how often
+                # they are accepted.)
                 lean = k > 0 and self._lean(k, n, sampled=True)
-                group = []
-                for i in idx:
-                    st = steps[i]
+                group = [steps[i] for i in idx]
+                for st in group:
                     st.sampler.lean = lean and st.sampler.params.seed is None
-                    if st.sampler.lean and st.t > 1:
-                        st = dataclasses.replace(st, t=1, args=(st.args[0][:, :1],
-                                                                *st.args[1:]), probs=None)
-                    group.append(st)
                 threads.tick()
                 t0 = time.perf_counter()
                 got = self._sample_many(group, k)
@@ -1497,6 +1491,8 @@ class FastDecoder:
                 if k:
                     drew = any(d is not None and len(d) for _, _, d, _ in got)
                     rows = sum(st.t for st in group)
+                    # Lean: no draft verified, none drawn (a trunk pass and the heads' one
+                    # catch-up row a sequence).
                     costs = (self._sample_costs if drew or rows > n
                              else self._sample_lean_costs)
                     costs.setdefault((k, n), RoundCosts()).record(rows, seconds)
