@@ -1480,7 +1480,7 @@ class FastDecoder:
                 # seeded one keeps the draws of its lone run, and so its text).
                 # (Drafts drawn before are still verified: that is what measures how often
                 # they are accepted.)
-                lean = k > 0 and self._lean(k, n, sampled=True)
+                lean = k > 0 and n > 1 and self._lean(k, n, sampled=True)
                 group = [steps[i] for i in idx]
                 for st in group:
                     st.sampler.lean = lean and st.sampler.params.seed is None
