@@ -911,6 +911,35 @@ def test_lean_sampled_rounds_spare_seeded_requests(engine_factory, monkeypatch):
     assert drafted[0] > 10 and drafted[1] <= 2 and drafted[2] <= 2
 
 
+def test_sampled_rounds_that_draw_nothing_leave_the_head_caught_up(engine_factory,
+                                                                   monkeypatch):
+    """Rounds that draw no drafts (lean) defer the head's catch-up to the next round that
+    draws; that catch-up (in pieces of at most POOL_MAX_ROWS rows) leaves the head's cache
+    as a run that drafted every round leaves it. Sampling with top_k=1 makes every token
+    certain, so both runs emit the same tokens."""
+    engine = engine_factory("llama")
+    params = SamplingParams(max_tokens=40, temperature=1.0, top_k=1)
+    ref = FastDecoder(engine.model, backend="eager", max_len=128)
+    want = list(ref.generate(PROMPTS[1], 40, 2, eos_ids=set(), params=params))
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    monkeypatch.setattr(fast_mod, "POOL_MAX_ROWS", 3)
+    rounds = iter(range(10_000))
+    draws = fast_mod._Sampler.draws
+    # Calls 4..15 (a few rounds, each asked once or more) draw nothing.
+    monkeypatch.setattr(fast_mod._Sampler, "draws", lambda self, k: 0 if 4 <= next(rounds) < 16
+                        else draws(self, k))
+    res = Result()
+    assert list(dec.generate(PROMPTS[1], 40, 2, result=res, eos_ids=set(),
+                             params=params)) == want
+    assert res.metrics.num_draft_tokens < 2 * res.metrics.num_drafts + 2
+    # Positions the head has caught up on in both runs: the same keys and values, up to
+    # the rounding of the fp32 head's GEMMs over other row counts (entries it never caught
+    # up on would be those of drafts, or zeros).
+    end = len(PROMPTS[1]) + 40 - 3
+    torch.testing.assert_close(dec.hk[:, :, :end], ref.hk[:, :, :end], rtol=0, atol=1e-4)
+    torch.testing.assert_close(dec.hv[:, :, :end], ref.hv[:, :, :end], rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("pooled", [False, True], ids=["own-caches", "pooled"])
 def test_lean_rounds_keep_each_sequences_tokens(pooled, engine_factory, monkeypatch):
     """Batched rounds that draft nothing (where drafting does not pay: FastDecoder._lean)

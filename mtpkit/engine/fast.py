@@ -1624,23 +1624,60 @@ class FastDecoder:
         if not k:
             return [(e, v, None, None) for e, v in zip(emitted, verified, strict=True)]
         # Head catch-up on every accepted position with its true token: the accepted drafts
-        # and the token drawn after them (rows 0..n of the trunk's states). Lean rounds too,
-        # which draw nothing: a row a sequence costs little beside the trunk pass, and a head
-        # whose cache missed positions drafts worse once drafting pays again.
-        grown = [len(e) for e in emitted]
-        ids = torch.tensor([[t for e in emitted for t in e]], device=dev)
-        states = torch.cat([h[:, :g] for h, g in zip(hidden.split(sizes, 1), grown,
-                                                       strict=True)], 1)
-        hpos = torch.cat([p + torch.arange(g, device=dev) for p, g in zip(pos0, grown,
-                                                                           strict=True)])
-        post, chain = self.program("head_pool")(ids, states, hpos, slots,
-                                                torch.tensor(grown, device=dev), hk, hv)
-        last = torch.tensor(grown, device=dev).cumsum(0) - 1
-        drafts, qs = self._draw_chain([st.sampler for st in group], post[0].index_select(0, last),
-                                      chain[0].index_select(0, last),
-                                      torch.cat([p + g for p, g in zip(pos0, grown, strict=True)]),
-                                      k, slots, (hk, hv))
+        # and the token drawn after them (rows 0..n of the trunk's states). A sequence that
+        # draws nothing this round (lean) keeps them for its next catch-up: its head cache
+        # then misses no position once it drafts again, at the cost of one head pass then.
+        drafts: list = [drafts_none(dev)] * len(group)
+        qs: list = [None] * len(group)
+        catch = []  # (index in group, token ids, states [1, r, D], first position)
+        for b, (st, h, g, p) in enumerate(zip(group, hidden.split(sizes, 1), emitted, pos0,
+                                              strict=True)):
+            sm = st.sampler
+            ids, states, first = sm.behind(g, h[:, : len(g)], int(p))
+            if sm.draws(k):
+                sm.caught_up()
+                catch.append((b, ids, states, first))
+        if not catch:
+            return list(zip(emitted, verified, drafts, qs, strict=True))
+        sel = torch.tensor([b for b, *_ in catch], device=dev)
+        sub = slots.index_select(0, sel) if len(slots) > 1 else slots
+        post, chain = self._catch_up(catch, sub, hk, hv)
+        nxt = torch.tensor([f + len(ids) for _, ids, _, f in catch], device=dev)
+        got, got_q = self._draw_chain([group[b].sampler for b, *_ in catch], post, chain,
+                                      nxt, k, sub, (hk, hv))
+        for (b, *_), d, q in zip(catch, got, got_q, strict=True):
+            drafts[b], qs[b] = d, q
         return list(zip(emitted, verified, drafts, qs, strict=True))
+
+    def _catch_up(self, catch: list[tuple], slots, hk, hv) -> tuple:
+        """The head over each sequence's rows catch = [(_, token ids, states [1, r, D],
+        first position)] (slots: theirs), in head_pool calls of at most POOL_MAX_ROWS rows
+        (a sequence's rows in order, a piece a call) -> its state after the last row: the
+        one the first draft is drawn from and the one fed on [B, D]."""
+        dev = self.device
+        piece = max(1, POOL_MAX_ROWS // len(catch))
+        post = [None] * len(catch)
+        chain = [None] * len(catch)
+        start = 0
+        while True:
+            part = [(i, ids[start : start + piece], states[:, start : start + piece],
+                     first + start) for i, (_, ids, states, first) in enumerate(catch)
+                    if start < len(ids)]
+            if not part:
+                break
+            sizes = [len(ids) for _, ids, _, _ in part]
+            p, c = self.program("head_pool")(
+                torch.tensor([[t for _, ids, _, _ in part for t in ids]], device=dev),
+                torch.cat([st for _, _, st, _ in part], 1),
+                torch.cat([torch.arange(f, f + n, device=dev)
+                           for (_, _, _, f), n in zip(part, sizes, strict=True)]),
+                slots.index_select(0, torch.tensor([i for i, *_ in part], device=dev)),
+                torch.tensor(sizes, device=dev), hk, hv)
+            last = torch.tensor(sizes, device=dev).cumsum(0) - 1
+            for (i, *_), row in zip(part, last.tolist(), strict=True):
+                post[i], chain[i] = p[0, row], c[0, row]
+            start += piece
+        return torch.stack(post), torch.stack(chain)
 
     def _draw_chain(self, samplers: list[_Sampler], post, state, pos, k: int, slots,
                     head_cache: tuple) -> tuple[list, list]:
@@ -1902,6 +1939,7 @@ class _Sampler:
         self.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.left = max_tokens  # tokens the request may still emit
         self.lean = False  # draft nothing for the next round (FastDecoder.run_many)
+        self._behind: tuple | None = None  # positions the head has not caught up on
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The first token [1], drawn from the target's logits [V]."""
@@ -1909,6 +1947,21 @@ class _Sampler:
 
         self.left -= 1
         return sample(probs(logits, self.params), self.gen).view(1)
+
+    def behind(self, tokens: list[int], states: torch.Tensor, first: int) -> tuple:
+        """This round's accepted tokens and their trunk states [1, r, D] from position
+        first, after those of earlier rounds the head has not caught up on -> (tokens,
+        states, first position) of its whole catch-up; kept until caught_up()."""
+        if self._behind is None:
+            self._behind = (list(tokens), states, first)
+        else:
+            ids, old, start = self._behind
+            self._behind = (ids + list(tokens), torch.cat([old, states], 1), start)
+        return self._behind
+
+    def caught_up(self) -> None:
+        """The head has run over every position behind() gave."""
+        self._behind = None
 
     def draws(self, k: int) -> int:
         """Drafts to draw for the next round: k, or fewer where the tokens still allowed
