@@ -1005,7 +1005,7 @@ class FastDecoder:
         # is accepted once those before it are.
         self._sample_costs: dict[tuple, RoundCosts] = {}
         self._sample_lean_costs: dict[tuple, RoundCosts] = {}
-        self._sample_accept: list[float] = []
+        self._sample_accept: list[list[float]] = []  # [hits, seen] a draft position
 
     @property
     def has_mtp(self) -> bool:
@@ -1612,14 +1612,13 @@ class FastDecoder:
             n, nxt = accept_sampled(drafts, st.probs, probs(rows, sm.params), sm.gen)
             emitted.append([*drafts[:n], nxt])
             sm.left -= n + 1
-            # Each position's chance of acceptance given the ones before it (observed up to
-            # the first rejection), a moving average (_lean).
+            # Each position's acceptance given the ones before it (observed up to the first
+            # rejection), counted with a decay that keeps about the last hundred.
             for j in range(min(n + 1, len(drafts))):
-                hit = float(j < n)
-                if j < len(chance):
-                    chance[j] = 0.9 * chance[j] + 0.1 * hit
-                else:
-                    chance.append(hit)
+                if j == len(chance):
+                    chance.append([0.0, 0.0])
+                hits, seen = chance[j]
+                chance[j] = [0.99 * hits + (j < n), 0.99 * seen + 1]
         verified = [n - 1 for n in sizes]
         if not k:
             return [(e, v, None, None) for e, v in zip(emitted, verified, strict=True)]
@@ -1742,7 +1741,9 @@ class FastDecoder:
         # costs current (and the head's probabilities known). ``sampled``: of sampled
         # rounds, whose costs and chances of acceptance (measured, not the head's
         # probabilities) are kept apart.
-        tables = ((self._sample_costs, self._sample_lean_costs, self._sample_accept) if sampled
+        # (Sampled: the counted acceptance, with one hit and one miss of prior.)
+        tables = ((self._sample_costs, self._sample_lean_costs,
+                   [(h + 1) / (s + 2) for h, s in self._sample_accept]) if sampled
                   else (self._round_costs, self._lean_costs, self._draft_p))
         full, lean, chance = tables[0].get((k, n)), tables[1].get((k, n)), tables[2]
         if full is None or not full.seconds or not chance:
