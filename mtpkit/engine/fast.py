@@ -1491,11 +1491,12 @@ class FastDecoder:
                 if k:
                     drew = any(d is not None and len(d) for _, _, d, _ in got)
                     rows = sum(st.t for st in group)
-                    # Lean: no draft verified, none drawn (a trunk pass and the heads' one
-                    # catch-up row a sequence).
-                    costs = (self._sample_costs if drew or rows > n
-                             else self._sample_lean_costs)
-                    costs.setdefault((k, n), RoundCosts()).record(rows, seconds)
+                    # Drafting rounds draw; lean ones neither draw nor verify (a trunk pass).
+                    # A round that only verifies what an exploring round drew is neither.
+                    costs = (self._sample_costs if drew
+                             else self._sample_lean_costs if rows == n else None)
+                    if costs is not None:
+                        costs.setdefault((k, n), RoundCosts()).record(rows, seconds)
                 for i, g in zip(idx, got, strict=True):
                     out[i] = g
                 continue
