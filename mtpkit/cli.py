@@ -66,7 +66,7 @@ def threads_arg(p) -> None:
 def _compile_args(p) -> None:
     p.add_argument("--compile", choices=["auto", "off", "aoti", "inductor", "eager"],
                    default="auto",
-                   help="how greedy requests run their fixed-shape programs (auto, the "
+                   help="how requests run their fixed-shape programs (auto, the "
                         "default: compiled where `mtpkit warmup` built them, else uncompiled, "
                         "so nothing waits on a build; aoti: build any missing now, about 1.5 "
                         "min each, then load them from the cache; inductor: torch.compile in "

@@ -33,8 +33,13 @@ equal the one-token step bit for bit, so their steps attend row by row and every
 has the same QUANT_ROWS rows with shape-chosen GEMM kernels (``Programs.rowwise`` and
 ``Programs.rows``), unless every GEMM of the trunk and the lm_head is row-exact
 (``Programs.row_exact``: mtpkit's int8/W4A8 kernels, or ``f32_mm`` for fp32 trunks on a
-CPU): then a decode step is one row and a round k+1. Sampling is served by the eager
-engine.
+CPU): then a decode step is one row and a round k+1.
+
+Sampled requests run the pooled programs (``trunk_pool`` / ``head_pool``, a lone decoder's
+own caches a pool of one slot): the trunk's logits come back, the host accepts by the
+lossless rule (engine/accept.py) with the request's own seeded stream and draws the next
+drafts from the head, in the order the eager engine draws, so a seed gives the eager
+engine's tokens. Decoders whose steps do not pool leave sampling to the eager engine.
 """
 
 from __future__ import annotations

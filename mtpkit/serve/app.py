@@ -48,7 +48,7 @@ class ServeConfig:
     max_model_len: int | None = None
     prefill_chunk: int = 256
     packed: bool = True  # one trunk forward per step over all running sequences
-    compile: str = "auto"  # how greedy requests run the fast path's programs (or "off")
+    compile: str = "auto"  # how requests run the fast path's programs (or "off")
     device: str = "cpu"
     dtype: str | None = None
     full_draft_vocab: bool = False
@@ -164,9 +164,10 @@ class ServerState:
         how = "eager engine"
         if fast is not None:
             st = fast.stats
-            how = (f"greedy requests on the fast path ({st.loaded + st.compiled} compiled "
-                   "programs)" if st.loaded or st.compiled else
-                   "greedy requests on the fast path (uncompiled programs)")
+            who = "requests" if fast.samples else "greedy requests"
+            how = (f"{who} on the fast path ({st.loaded + st.compiled} compiled programs)"
+                   if st.loaded or st.compiled else
+                   f"{who} on the fast path (uncompiled programs)")
             if self.builder is not None:
                 how += ("; building the compiled ones in the background (`mtpkit warmup`, "
                         f"pid {self.builder.pid}, low priority), used as soon as they are built")

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
                    help="run each sequence's trunk forward alone instead of one forward for "
                         "all running sequences per step (for comparison)")
     p.add_argument("--compile", choices=["auto", "off", "aoti", "eager"], default="auto",
-                   help="greedy requests run the programs `mtpkit generate` runs (auto, the "
+                   help="requests run the programs `mtpkit generate` runs (auto, the "
                         "default: compiled where `mtpkit warmup` built them, else uncompiled; "
                         "aoti: build any missing before serving; eager: never compiled; off: "
                         "every request on the eager engine)")
