@@ -68,9 +68,9 @@ def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def sample(prob: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row of probabilities [..., V] (any non-negative weights)."""
     # By the inverse of the cumulative distribution: token i when c[i-1] <= u < c[i], for u
-    # uniform on [0, total). torch.multinomial computes the same thing far slower on a CPU
-    # (over a 49k vocabulary it cost more than a decode step). Summed in float64, so that
-    # every token's share of [0, total) is its probability to within 1e-16, however small.
+    # uniform on [0, total). torch.multinomial draws the same distribution far slower on a
+    # CPU over a large vocabulary. Summed in float64, so that every token's share of
+    # [0, total) is its probability to within 1e-16, however small.
     flat = prob.reshape(-1, prob.shape[-1]).double()
     c = flat.cumsum(-1)
     total = c[:, -1:].contiguous()
