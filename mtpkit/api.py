@@ -322,10 +322,7 @@ class Model:
         warm = k if params.greedy else "sampled"
         if engine.fast_takes(params) and warm not in self._warm:
             with _UserErrors():  # load (or, with compile="aoti", build) its programs
-                if params.greedy:
-                    engine.fast.warmup(k)
-                else:
-                    engine.fast.warmup_pooled()
+                engine.fast.warmup_for(params, k)
             self._warm.add(warm)
         if stream:
             self._live = Stream(self.session.stream(ids, params, k), k)

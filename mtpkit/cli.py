@@ -111,12 +111,9 @@ def _cmd_generate(a) -> int:
                 print("note: --compile serves greedy requests here; sampling runs eagerly",
                       file=sys.stderr)
         else:
-            if params.greedy:
-                fast.warmup(k)
-                if a.compare and k:
-                    fast.warmup(0)
-            else:
-                fast.warmup_pooled()
+            fast.warmup_for(params, k)
+            if params.greedy and a.compare and k:
+                fast.warmup(0)
             st = fast.stats
             if st.loaded or st.compiled or a.compile != "auto":
                 print(f"compiled programs: {st.loaded} loaded, {st.compiled} built; ready "

@@ -75,7 +75,7 @@ from ..quant.linear import (
 from .accept import accept_sampled
 from .budget import RoundCosts, choose_drafts, drafting_pays, top_drafts
 from .generate import Result, draw_draft, emit
-from .sampling import SamplingParams, probs
+from .sampling import SamplingParams, probs, sample
 
 BACKENDS = ("auto", "aoti", "inductor", "eager")
 log = logging.getLogger("mtpkit.fast")
@@ -1354,6 +1354,13 @@ class FastDecoder:
                 self.program("round", t, k)
         return time.perf_counter() - t0
 
+    def warmup_for(self, params: SamplingParams | None, k: int) -> float:
+        """warmup(k) for a greedy request (params None or greedy), warmup_pooled() for a
+        sampled one (its steps run the pool programs); seconds taken."""
+        if params is None or params.greedy:
+            return self.warmup(k)
+        return self.warmup_pooled()
+
     def warmup_pooled(self) -> float:
         """Build or load the programs of batched steps over pooled caches (a server's);
         seconds taken (nothing where the decoder cannot pool)."""
@@ -1494,7 +1501,7 @@ class FastDecoder:
                 got = self._sample_many(group, k)
                 seconds = time.perf_counter() - t0
                 if k:
-                    drew = any(d is not None and len(d) for _, _, d, _ in got)
+                    drew = any(len(d) for _, _, d, _ in got)
                     rows = sum(st.t for st in group)
                     # Drafting rounds draw; lean ones neither draw nor verify (a trunk pass).
                     # A round that only verifies what an exploring round drew is neither.
@@ -1627,7 +1634,8 @@ class FastDecoder:
                 chance[j] = [0.99 * hits + (j < n), 0.99 * seen + 1]
         verified = [n - 1 for n in sizes]
         if not k:
-            return [(e, v, None, None) for e, v in zip(emitted, verified, strict=True)]
+            return [(e, v, drafts_none(dev), None) for e, v in zip(emitted, verified,
+                                                                  strict=True)]
         # Head catch-up on every accepted position with its true token: the accepted drafts
         # and the token drawn after them (rows 0..n of the trunk's states). A sequence that
         # draws nothing this round (lean) keeps them for its next catch-up: its head cache
@@ -1638,10 +1646,9 @@ class FastDecoder:
         for b, (st, h, g, p) in enumerate(zip(group, hidden.split(sizes, 1), emitted, pos0,
                                               strict=True)):
             sm = st.sampler
-            ids, states, first = sm.behind(g, h[:, : len(g)], int(p))
+            sm.behind(g, h[:, : len(g)], int(p))
             if sm.draws(k):
-                sm.caught_up()
-                catch.append((b, ids, states, first))
+                catch.append((b, *sm.catch_up()))
         if not catch:
             return list(zip(emitted, verified, drafts, qs, strict=True))
         sel = torch.tensor([b for b, *_ in catch], device=dev)
@@ -1745,9 +1752,8 @@ class FastDecoder:
         # Drafting rounds are measured first, then a lean one; then the measured costs
         # decide, except every EXPLORE-th round, which takes the other way to keep both
         # costs current (and the head's probabilities known). ``sampled``: of sampled
-        # rounds, whose costs and chances of acceptance (measured, not the head's
-        # probabilities) are kept apart.
-        # (Sampled: the counted acceptance, with one hit and one miss of prior.)
+        # rounds, whose costs are kept apart and whose chance of acceptance is the counted
+        # one (with one hit and one miss of prior), not the head's probabilities.
         tables = ((self._sample_costs, self._sample_lean_costs,
                    [(h + 1) / (s + 2) for h, s in self._sample_accept]) if sampled
                   else (self._round_costs, self._lean_costs, self._draft_p))
@@ -1824,10 +1830,7 @@ class FastDecoder:
             sampler = _Sampler(params, self.device, max_tokens)
         k = self.served_k(k) if self.has_mtp else 0
         self.check_length(len(prompt_ids), max_tokens, k)
-        if sampler is None:
-            self.warmup(k)
-        else:
-            self.warmup_pooled()
+        self.warmup_for(params, k)
         res = result if result is not None else Result()
         return self._steps(prompt_ids, max_tokens, k, res, eos_ids or set(), chunk, sampler)
 
@@ -1867,8 +1870,6 @@ class FastDecoder:
                             self.hk, self.hv)
                 emitted, drafted, drafts, probs = yield Step(
                     "sample", len(drafts) + 1, k, args, probs, slot=self.slot, sampler=sampler)
-                if drafts is None:
-                    drafts = drafts_none(dev)
                 n = len(emitted) - 1
                 m.record(drafted, n)
                 at += n + 1
@@ -1946,29 +1947,30 @@ class _Sampler:
         self.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.left = max_tokens  # tokens the request may still emit
         self.lean = False  # draft nothing for the next round (FastDecoder.run_many)
-        self._behind: tuple | None = None  # positions the head has not caught up on
+        # Positions the head has not caught up on (behind): tokens, states, the first.
+        self._ids: list[int] = []
+        self._states: list[torch.Tensor] = []
+        self._first = 0
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The first token [1], drawn from the target's logits [V]."""
-        from .sampling import sample
-
         self.left -= 1
         return sample(probs(logits, self.params), self.gen).view(1)
 
-    def behind(self, tokens: list[int], states: torch.Tensor, first: int) -> tuple:
-        """This round's accepted tokens and their trunk states [1, r, D] from position
-        first, after those of earlier rounds the head has not caught up on -> (tokens,
-        states, first position) of its whole catch-up; kept until caught_up()."""
-        if self._behind is None:
-            self._behind = (list(tokens), states, first)
-        else:
-            ids, old, start = self._behind
-            self._behind = (ids + list(tokens), torch.cat([old, states], 1), start)
-        return self._behind
+    def behind(self, tokens: list[int], states: torch.Tensor, first: int) -> None:
+        """Note this round's accepted tokens and their trunk states [1, r, D] from position
+        first, which the head has yet to catch up on."""
+        if not self._ids:
+            self._first = first
+        self._ids += tokens
+        self._states.append(states)
 
-    def caught_up(self) -> None:
-        """The head has run over every position behind() gave."""
-        self._behind = None
+    def catch_up(self) -> tuple[list[int], torch.Tensor, int]:
+        """Every position noted since the last catch-up: (tokens, states [1, r, D], first
+        position), for the head to run over now."""
+        out = (self._ids, torch.cat(self._states, 1), self._first)
+        self._ids, self._states = [], []
+        return out
 
     def draws(self, k: int) -> int:
         """Drafts to draw for the next round: k, or fewer where the tokens still allowed
