@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import tiny
+import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -212,15 +217,11 @@ def _gguf_contents(path: Path) -> tuple[dict, dict]:
     return fields, tensors
 
 
-@needs_converter
-def test_metadata_and_tensors_equal_llama_cpps_converter(model, tmp_path):
-    """mtpkit's F32 GGUF of the tiny Qwen3.5 (MTP head included) holds the keys and values
-    llama.cpp's convert_hf_to_gguf.py writes for the same folder, save the listed ones, and
-    byte-identical tensors under the same names, shapes and types."""
+def _run_converter(model: Path, ref: Path) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on ``model``, F32, into ``ref``."""
     import sys
 
     conv = Path(CONVERTER).resolve()
-    ref = tmp_path / "ref.gguf"
     # The converter names a BPE pre-tokenizer by hashing how known releases' tokenizers
     # split a test text; the tiny tokenizer is none of them, so the run is told what mtpkit
     # writes for a byte-level BPE (gpt-2) instead of stopping there.
@@ -235,7 +236,15 @@ def test_metadata_and_tensors_equal_llama_cpps_converter(model, tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    theirs, their_tensors = _gguf_contents(ref)
+    return ref
+
+
+@needs_converter
+def test_metadata_and_tensors_equal_llama_cpps_converter(model, tmp_path):
+    """mtpkit's F32 GGUF of the tiny Qwen3.5 (MTP head included) holds the keys and values
+    llama.cpp's convert_hf_to_gguf.py writes for the same folder, save the listed ones, and
+    byte-identical tensors under the same names, shapes and types."""
+    theirs, their_tensors = _gguf_contents(_run_converter(model, tmp_path / "ref.gguf"))
     ours, our_tensors = _gguf_contents(_gguf(model, "F32"))
     assert set(theirs) - set(ours) == CONVERTER_ONLY
     assert set(ours) - set(theirs) == MTPKIT_ONLY
@@ -251,7 +260,6 @@ def test_hybrid_layout_without_an_interval_round_trips(tmp_path):
     per-layer list (the interval left out) and comes back as the same layer types; its
     logits through the GGUF equal those of the folder, and llama-server (where given)
     decodes it as mtpkit does."""
-    import torch
 
     out = tmp_path / "m"
     types = ["linear_attention", "full_attention", "full_attention", "linear_attention"]
@@ -286,3 +294,250 @@ def test_hybrid_layout_without_an_interval_round_trips(tmp_path):
                 assert _tokens(server.complete(ids, 24), tok.eos_token_ids) == want
         finally:
             server.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-style MoE families: GLM-4.5 (glm4moe) and MLA models (deepseek2).
+
+
+def _deepseek(rope_interleave: bool = True, yarn: bool = True):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # YaRN over a short "original" context, so that it matters within the test lengths;
+    # mscale equal to mscale_all_dim, as in the releases (llama.cpp assumes it).
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.8,
+            "original_max_position_embeddings": 32}
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1,
+        n_routed_experts=8, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+        first_k_dense_replace=1, norm_topk_prob=True, tie_word_embeddings=False,
+        rope_interleave=rope_interleave, rope_parameters=rope if yarn else None,
+        bos_token_id=0, eos_token_id=0,
+    )
+    model = DeepseekV3ForCausalLM(cfg)
+    tiny._randomize_router_bias(model)
+    return model
+
+
+def _glm4_moe():
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    cfg = Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1, n_routed_experts=8,
+        routed_scaling_factor=2.5, n_group=4, topk_group=2, first_k_dense_replace=1,
+        norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=GLM_EOS,
+    )
+    model = Glm4MoeForCausalLM(cfg)
+    tiny._randomize_router_bias(model)
+    return model
+
+
+def _glm4_moe_lite():
+    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+
+    cfg = Glm4MoeLiteConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1,
+        n_routed_experts=8, routed_scaling_factor=1.8, n_group=4, topk_group=2,
+        norm_topk_prob=True, tie_word_embeddings=False, rope_interleave=True,
+        mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=1, eos_token_id=GLM_EOS,
+    )
+    model = Glm4MoeLiteForCausalLM(cfg)
+    tiny._randomize_router_bias(model)
+    return model
+
+
+# GLM's tokenizer: its eos, then what its converter writes as bos, eot and eom; a GLM reply
+# ends at any of the three ends (its generation_config lists them all).
+GLM_SPECIAL = ["<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>"]
+GLM_EOS = [0, 2, 3]
+
+
+@dataclass(frozen=True)
+class MoeCase:
+    name: str
+    build: Callable[[], Any]
+    arch: str
+    glm: bool = False  # GLM's special tokens in the tokenizer
+    # The converter of this llama.cpp skips DeepSeek-V3's MTP layer (and block_count
+    # counts the trunk only); it keeps GLM's.
+    converter_keeps_mtp: bool = True
+    # What the converter writes otherwise (see MOE_CONVERTER_ONLY and MOE_DIFFERENT).
+    converter_leading_dense: int | None = None
+
+
+MOE_CASES = [
+    MoeCase("glm4_moe", _glm4_moe, "glm4moe", glm=True),
+    # q LoRA, interleaved rope rows, YaRN: as the DeepSeek-V3 release.
+    MoeCase("deepseek_v3", _deepseek, "deepseek2", converter_keeps_mtp=False),
+    # Half-split rope rows (rope_interleave false): mtpkit interleaves them on the way.
+    MoeCase("deepseek_v3_half_split", lambda: _deepseek(rope_interleave=False, yarn=False),
+            "deepseek2", converter_keeps_mtp=False),
+    # GLM-4.7-Flash: MLA with GLM's tokenizer; its config says mlp_layer_types, not
+    # first_k_dense_replace, which this converter does not read (it writes 0).
+    MoeCase("glm4_moe_lite", _glm4_moe_lite, "deepseek2", glm=True, converter_leading_dense=0),
+]
+
+
+def _tokenizer(out: Path, special: list[str]) -> None:
+    import inspect
+
+    tok = Backend(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(inspect.getsource(json).splitlines(), trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+@pytest.fixture(scope="module", params=MOE_CASES, ids=[c.name for c in MOE_CASES])
+def moe(request, tmp_path_factory) -> tuple[MoeCase, Path]:
+    case: MoeCase = request.param
+    out = tmp_path_factory.mktemp(case.name) / "m"
+    fam = tiny.Family(case.name, case.build, mtp_layout="deepseek",
+                      adjust=None if case.arch == "glm4moe" else tiny._soften_mla_queries)
+    tiny.write_checkpoint(fam, out)
+    tiny.add_mtp_head(out, fam)
+    _tokenizer(out, GLM_SPECIAL if case.glm else ["<|endoftext|>"])
+    return case, out
+
+
+def test_moe_metadata_matches_what_llama_cpp_expects(moe):
+    """The keys llama.cpp's glm4moe / deepseek2 loaders read, from the config."""
+    case, model = moe
+    cfg = json.loads((model / "config.json").read_text())
+    with open_gguf(_gguf(model, "F32")) as g:
+        md, names = g.metadata, set(g._tensors)
+    a = case.arch
+    assert md[f"{a}.block_count"] == 4 and md[f"{a}.nextn_predict_layers"] == 1
+    assert md[f"{a}.leading_dense_block_count"] == 1
+    assert md[f"{a}.expert_gating_func"] == 2  # sigmoid, whatever the config says
+    assert md[f"{a}.expert_count"] == 8 and md[f"{a}.expert_group_used_count"] == 2
+    assert {"blk.3.nextn.eh_proj.weight", "blk.3.ffn_gate_exps.weight",
+            "blk.3.exp_probs_b.bias"} <= names
+    if a == "deepseek2":
+        # Absorbed MLA: one KV head as wide as the latent plus the rope part.
+        assert md["deepseek2.attention.head_count_kv"] == 1
+        assert md["deepseek2.attention.key_length"] == 32 + 8
+        assert md["deepseek2.attention.key_length_mla"] == 16 + 8
+        assert {"blk.0.attn_k_b.weight", "blk.3.attn_v_b.weight"} <= names
+        assert not any("kv_b" in n for n in names)
+    else:
+        assert md["glm4moe.rope.dimension_count"] == cfg["head_dim"] // 2
+    if case.glm:
+        assert (md["tokenizer.ggml.eot_token_id"], md["tokenizer.ggml.eom_token_id"]) == (2, 3)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                          "mscale": 1.0, "mscale_all_dim": 0.707,
+                          "original_max_position_embeddings": 32}}, "mscale_all_dim"),
+    ({"q_lora_rank": None}, "q_lora_rank is null"),
+    ({"mlp_layer_types": ["dense", "sparse", "dense"]}, "dense layers only before"),
+    ({"num_nextn_predict_layers": 2}, "runs one (nextn) layer"),
+])
+def test_moe_configs_llama_cpp_cannot_run_are_refused(change, message, tmp_path):
+    """Checkpoints whose GGUF llama.cpp would not load, or would decode otherwise than the
+    checkpoint, get an error naming the reason instead of a file."""
+    from mtpkit.checkpoint.gguf import write_gguf
+
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_heads": 4,
+           "hidden_size": 64, "intermediate_size": 128, "q_lora_rank": 32,
+           "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+           "v_head_dim": 16, "n_routed_experts": 8, "first_k_dense_replace": 1, **change}
+    n_mtp = cfg.pop("num_nextn_predict_layers", 1)
+    tensors = {f"model.layers.{3 + i}.enorm.weight": torch.ones(64) for i in range(n_mtp)}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        write_gguf(tmp_path / "never.gguf", "deepseek2", cfg, tensors)
+    assert list(tmp_path.iterdir()) == []  # no file, not even a temporary one
+
+
+@needs_server
+@pytest.mark.parametrize("k", [1, 3])
+def test_llama_server_runs_mtpkits_moe_gguf_with_mtp(moe, k):
+    """llama.cpp loads the file, decodes it as mtpkit does, and drafts with its nextn head
+    losslessly at an acceptance close to mtpkit's own. (The counts are not compared draft
+    for draft: llama.cpp feeds its MTP context the verify batch's rows, rejected drafts
+    included, and a few of its drafts differ from mtpkit's; equal where they agree.)"""
+    case, model = moe
+    path = _gguf(model, "F32")
+    tok = Tokenizer.from_hf_dir(model)
+    plain, draft = LlamaServer(path), LlamaServer(
+        path, "--spec-type", "draft-mtp", "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0")
+    ours = theirs = 0
+    try:
+        for prompt in PROMPTS:
+            ids = tok.encode(prompt)
+            want, res = _mtpkit_run(model, ids, 32, k)
+            a, b = plain.complete(ids, 32), draft.complete(ids, 32)
+            assert _tokens(a, tok.eos_token_ids) == want
+            assert _tokens(b, tok.eos_token_ids) == want
+            assert b["timings"].get("draft_n", 0) > 0, b["timings"]
+            ours += res.metrics.num_accepted_tokens
+            theirs += b["timings"]["draft_n_accepted"]
+    finally:
+        plain.stop()
+        draft.stop()
+    assert ours > 0 and abs(theirs - ours) <= max(3, ours // 4), (theirs, ours)
+
+
+MOE_CONVERTER_ONLY = CONVERTER_ONLY
+MOE_MTPKIT_ONLY = {"tokenizer.ggml.add_bos_token"}
+
+
+@needs_converter
+def test_moe_metadata_and_tensors_equal_llama_cpps_converter(moe, tmp_path):
+    """mtpkit's F32 GGUF holds the keys and byte-identical tensors llama.cpp's converter
+    writes for the same folder, save where the converter drops something (DeepSeek-V3's MTP
+    layer; GLM's per-layer copies of the embedding and head, which llama.cpp falls back to
+    the trunk's for) or misreads the config (say which)."""
+    case, model = moe
+    theirs, their_tensors = _gguf_contents(_run_converter(model, tmp_path / "ref.gguf"))
+    ours, our_tensors = _gguf_contents(_gguf(model, "F32"))
+    a = case.arch
+    mtpkit_only = set(MOE_MTPKIT_ONLY)
+    if a == "deepseek2":
+        mtpkit_only.add("deepseek2.expert_gating_func")  # the converter leaves it to the
+        # config's scoring_func, which transformers' configs drop: llama.cpp then routes by
+        # softmax
+    if a == "glm4moe":
+        mtpkit_only.add("glm4moe.vocab_size")
+    differ = set()
+    if not case.converter_keeps_mtp:
+        mtpkit_only.add(f"{a}.nextn_predict_layers")
+        differ.add(f"{a}.block_count")
+    if case.converter_leading_dense is not None:
+        differ.add(f"{a}.leading_dense_block_count")
+        assert theirs[f"{a}.leading_dense_block_count"] == case.converter_leading_dense
+    # The converter takes a bos id from config.json where the tokenizer names none (mtpkit
+    # writes the tokenizer's, with add_bos_token false either way).
+    bos = set() if case.glm else {"tokenizer.ggml.bos_token_id"}
+    assert set(theirs) - set(ours) == MOE_CONVERTER_ONLY | bos
+    assert set(ours) - set(theirs) == mtpkit_only
+    assert {k for k in set(ours) & set(theirs) if ours[k] != theirs[k]} == differ
+    copies = {"blk.3.nextn.embed_tokens.weight", "blk.3.nextn.shared_head_head.weight"}
+    if case.converter_keeps_mtp:
+        assert set(their_tensors) - set(our_tensors) == copies
+        assert set(our_tensors) <= set(their_tensors)
+    else:
+        assert set(their_tensors) <= set(our_tensors)
+        assert all(n.startswith("blk.3.") for n in set(our_tensors) - set(their_tensors))
+    # With half-split rope rows the converter copies them as they are, though llama.cpp's
+    # deepseek2 rotates adjacent pairs: mtpkit interleaves them (and llama-server then
+    # decodes as transformers does, above).
+    rope_rows = ({f"blk.{i}.{t}.weight" for i in range(3) for t in ("attn_q_b", "attn_kv_a_mqa")}
+                 if case.name.endswith("half_split") else set())
+    assert {n for n in set(our_tensors) & set(their_tensors)
+            if our_tensors[n] != their_tensors[n]} == rope_rows

@@ -37,6 +37,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
 
 from ..outputs import publish_modes
+from . import gguf_moe
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -97,7 +98,8 @@ _BLOCK = {
     "ssm_out": "linear_attn.out_proj",
 }
 # Tensors whose HF name has no .weight suffix, or a different one.
-_BLOCK_EXACT = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+_BLOCK_EXACT = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
+                "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
 # Experts are one 3-D GGUF tensor per projection, [expert, out, in] in torch order.
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # blk.N.nextn.<key> -> (DeepSeek-style name below model.layers.N, mtp.* name or None).
@@ -111,6 +113,8 @@ _NEXTN = {
 }
 _NEXTN_BY_HF = {ds: key for key, (ds, _) in _NEXTN.items()}
 _NEXTN_BY_MTP = {mtp: key for key, (_, mtp) in _NEXTN.items() if mtp}
+# Archs whose files carry MTP layers as blk.N.nextn.* (llama.cpp runs them with draft-mtp).
+_NEXTN_ARCHS = _QWEN_NEXT | gguf_moe.MOE_ARCHS
 
 # qtype name -> file type written to general.file_type (llama.cpp shows it in its logs).
 _FILE_TYPES = {
@@ -353,6 +357,11 @@ class GGUFCheckpoint:
     def config(self) -> dict:
         """The HF-style config (cached; ``hf_config()`` returns a copy)."""
         md = self._md
+        if self.arch in gguf_moe.MOE_ARCHS:
+            raise CheckpointError(
+                f"{self.path}: mtpkit writes {self.arch} GGUF files for llama.cpp (llama-server "
+                "-m FILE --spec-type draft-mtp runs them with MTP) but does not run them itself "
+                "yet; give mtpkit the Hugging Face checkpoint instead")
         model_type, hf_class = _ARCHS.get(self.arch, (self.arch, None))
         heads, kv = self._heads()
         hidden = md(Keys.LLM.EMBEDDING_LENGTH)
@@ -694,7 +703,7 @@ class _Renamer:
     """HF name -> GGUF name(s) and the changes llama.cpp makes to the values."""
 
     def __init__(self, arch: str, cfg: dict, n_layer: int, n_mtp: int):
-        self.arch, self.n_layer, self.n_mtp = arch, n_layer, n_mtp
+        self.arch, self.n_layer, self.n_mtp, self.cfg = arch, n_layer, n_mtp, cfg
         heads = int(cfg["num_attention_heads"])
         self.heads = (heads, int(cfg.get("num_key_value_heads") or heads))
         self.lin = _config_linear(cfg)
@@ -706,7 +715,7 @@ class _Renamer:
         """HF name -> GGUF name, for one tensor that maps one-to-one."""
         name = hf_name
         m = re.match(r"mtp\.layers\.(\d+)\.(.+)", name)
-        if m and self.arch in _QWEN_NEXT:
+        if m and self.arch in _NEXTN_ARCHS:
             name = f"model.layers.{self.n_layer + int(m.group(1))}.{m.group(2)}"
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
         if m:
@@ -747,6 +756,13 @@ class _Renamer:
             return [
                 (f"blk.{self.n_layer + i}.nextn.{key}{suffix}", value) for i in range(self.n_mtp)
             ]
+        if self.arch in gguf_moe.MOE_ARCHS:
+            own = re.fullmatch(r"mtp\.(?:per_layer\.(\d+)\.)?(.+)", stem)
+            if own and f"mtp.{own[2]}" in _NEXTN_BY_MTP:
+                bid = self.n_layer + int(own[1] or 0)
+                return [(f"blk.{bid}.nextn.{_NEXTN_BY_MTP['mtp.' + own[2]]}{suffix}", t)]
+            if self.arch == "deepseek2":
+                return self._mla(hf_name, t)
         if self.arch == "qwen3next" and hf_name.endswith("linear_attn.in_proj_qkvz.weight"):
             if self.lin is None:
                 raise ValueError("qwen3next in_proj_qkvz needs the linear_* config fields")
@@ -755,6 +771,19 @@ class _Renamer:
             return [(qkv_name, qkv), (qkv_name.replace(".attn_qkv.", ".attn_gate."), z)]
         gname = self.block_name(hf_name)
         return [(gname, self._apply(gname, t))]
+
+    def _mla(self, hf_name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """deepseek2: kv_b_proj split for absorbed MLA, rope rows as adjacent pairs."""
+        if hf_name.endswith("self_attn.kv_b_proj.weight"):
+            k_b, v_b = gguf_moe.split_kv_b(t, self.cfg)
+            kb = self.block_name(hf_name.replace("kv_b_proj", "k_b_proj"))
+            vb = self.block_name(hf_name.replace("kv_b_proj", "v_b_proj"))
+            return [(kb, k_b), (vb, v_b)]
+        if hf_name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
+            t = gguf_moe.interleave_rope_rows(t, self.cfg, self.heads[0])
+        elif hf_name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+            t = gguf_moe.interleave_rope_rows(t, self.cfg, 0)
+        return [(self.block_name(hf_name), t)]
 
     def _apply(self, gname: str, t: torch.Tensor) -> torch.Tensor:
         stem, suffix = _split_suffix(gname)
@@ -793,12 +822,12 @@ def _encode(t: torch.Tensor, qtype: GGMLQuantizationType) -> np.ndarray:
     return gguf.quants.quantize(arr, qtype)
 
 
-def _partial_rotary(cfg: dict) -> float:
+def _partial_rotary(cfg: dict, default: float | None = 1.0) -> float | None:
     """The rotated fraction of each head: transformers 5 configs keep it in rope_parameters."""
     for where in (cfg, cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}):
         if where.get("partial_rotary_factor") is not None:
             return float(where["partial_rotary_factor"])
-    return 1.0
+    return default
 
 
 def _write_metadata(
@@ -817,8 +846,11 @@ def _write_metadata(
     if cfg.get("intermediate_size") is not None:
         w.add_feed_forward_length(int(cfg["intermediate_size"]))
     w.add_head_count(heads)
-    w.add_head_count_kv(int(cfg.get("num_key_value_heads") or heads))
-    if head_dim is not None:
+    w.add_head_count_kv(gguf_moe.head_count_kv(arch, cfg)
+                        or int(cfg.get("num_key_value_heads") or heads))
+    if arch in gguf_moe.MOE_ARCHS:
+        gguf_moe.write_metadata(w, arch, cfg, n_layer, n_mtp, _partial_rotary(cfg, None))
+    elif head_dim is not None:
         if cfg.get("head_dim") is not None:
             w.add_key_length(int(head_dim))
             w.add_value_length(int(head_dim))
@@ -829,7 +861,7 @@ def _write_metadata(
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     if vocab_size is not None:
         w.add_vocab_size(int(vocab_size))
-    scaling = cfg.get("rope_scaling") or {}
+    scaling = gguf_moe.rope_scaling(cfg)
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind and kind != "default":
         w.add_string(_key(Keys.Rope.SCALING_TYPE, arch), str(kind))
@@ -872,8 +904,10 @@ def _write_metadata(
                 add(int(cfg[key]))
 
 
-def _write_tokenizer(w: GGUFWriter, tokenizer: Tokenizer, vocab_size: int | None) -> None:
-    vocab = tokenizer.gguf_vocab(vocab_size)
+def _write_tokenizer(
+    w: GGUFWriter, tokenizer: Tokenizer, vocab_size: int | None, model_type: str | None
+) -> None:
+    vocab = gguf_moe.special_tokens(model_type, tokenizer.gguf_vocab(vocab_size))
     w.add_tokenizer_model(vocab["model"])
     w.add_tokenizer_pre(vocab["pre"])
     w.add_token_list(vocab["tokens"])
@@ -887,6 +921,8 @@ def _write_tokenizer(w: GGUFWriter, tokenizer: Tokenizer, vocab_size: int | None
         ("eos_token_id", w.add_eos_token_id),
         ("unknown_token_id", w.add_unk_token_id),
         ("padding_token_id", w.add_pad_token_id),
+        ("eot_token_id", w.add_eot_token_id),
+        ("eom_token_id", w.add_eom_token_id),
     ):
         if vocab.get(key) is not None:
             add(int(vocab[key]))
@@ -939,7 +975,7 @@ def write_gguf(
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _write_metadata(w, arch, hf_config, n_layer, n_mtp, vocab_size)
         if tokenizer is not None:
-            _write_tokenizer(w, tokenizer, vocab_size)
+            _write_tokenizer(w, tokenizer, vocab_size, hf_config.get("model_type"))
         for gname, t in out.items():
             bid = re.match(r"blk\.(\d+)\.", gname)
             tq = q_mtp if bid and int(bid.group(1)) >= n_layer else q
@@ -993,6 +1029,8 @@ def arch_for_model_type(model_type: str) -> str:
     for arch, (mt, _) in _ARCHS.items():
         if mt in (model_type, f"{model_type}_text"):
             return arch
-    known = sorted(mt for mt, _ in _ARCHS.values())
+    if model_type in gguf_moe.MOE_MODEL_TYPES:
+        return gguf_moe.MOE_MODEL_TYPES[model_type]
+    known = sorted({mt for mt, _ in _ARCHS.values()} | set(gguf_moe.MOE_MODEL_TYPES))
     raise ValueError(f"no GGUF architecture for model_type {model_type!r}; GGUF output "
                      f"supports {', '.join(known)}")

@@ -1,0 +1,188 @@
+"""GGUF output for the DeepSeek-style MoE families: GLM-4.5 (``glm4moe``) and MLA models
+(``deepseek2``: DeepSeek-V3, GLM-4.7-Flash).
+
+What llama.cpp's loaders read (src/models/glm4-moe.cpp, deepseek2.cpp) and its converter
+writes (conversion/glm.py, deepseek.py), beside what ``gguf.py`` does for every family:
+
+- Routed experts stack into one 3-D tensor per projection, the router's score bias is
+  ``exp_probs_b.bias``, shared experts are ``ffn_*_shexp``; both archs route by sigmoid with
+  group-limited top-k, and know only leading dense layers (``leading_dense_block_count``).
+- ``deepseek2`` runs MLA in its absorbed form: one KV head of ``kv_lora_rank + rope`` width,
+  and ``kv_b_proj`` split per head into ``attn_k_b`` ([head, kv_lora, nope], transposed) and
+  ``attn_v_b`` ([head, v, kv_lora]). Its RoPE rotates adjacent pairs, which is how DeepSeek
+  releases store the rope rows (``rope_interleave``, transformers' default); a checkpoint
+  with half-split rope rows has them interleaved on the way.
+- One MTP layer, appended as block ``n`` with ``blk.n.nextn.*``; its embedding and head fall
+  back to the trunk's, so their per-layer copies are not written.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from gguf import GGUFWriter
+
+MOE_ARCHS = {"glm4moe", "deepseek2"}
+# HF model_type -> GGUF arch, for the families written here.
+MOE_MODEL_TYPES = {
+    "glm4_moe": "glm4moe",
+    "deepseek_v3": "deepseek2",
+    "glm4_moe_lite": "deepseek2",
+}
+# GLM-4.5 configs that omit it rotate half of each head (transformers' default).
+_GLM_PARTIAL_ROTARY = 0.5
+
+
+def leading_dense(cfg: dict) -> int:
+    """The number of leading dense layers; ValueError where dense layers are not leading."""
+    n = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("mlp_layer_types")
+    if kinds:
+        k = kinds.index("sparse") if "sparse" in kinds else n
+        if any(t != "sparse" for t in kinds[k:]):
+            raise ValueError(
+                f"mlp_layer_types {kinds}: llama.cpp runs dense layers only before the first "
+                "MoE layer (leading_dense_block_count); this layout has no GGUF form")
+        return k
+    return int(cfg.get("first_k_dense_replace") or 0)
+
+
+def write_metadata(w: GGUFWriter, arch: str, cfg: dict, n_layer: int, n_mtp: int,
+                   partial_rotary: float | None) -> None:
+    """The MoE (and for deepseek2 MLA) keys llama.cpp's loader reads."""
+    from gguf import ExpertGatingFuncType
+
+    if n_mtp > 1:
+        raise ValueError(f"the checkpoint has {n_mtp} MTP layers; llama.cpp's {arch} runs "
+                         "one (nextn) layer, so this checkpoint has no GGUF form for it")
+    w.add_leading_dense_block_count(leading_dense(cfg))
+    if cfg.get("n_routed_experts") is not None:
+        w.add_expert_count(int(cfg["n_routed_experts"]))
+    if cfg.get("num_experts_per_tok") is not None:
+        w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+    if cfg.get("n_group") is not None:
+        w.add_expert_group_count(int(cfg["n_group"]))
+    if cfg.get("topk_group") is not None:
+        w.add_expert_group_used_count(int(cfg["topk_group"]))
+    w.add_expert_feed_forward_length(int(cfg.get("moe_intermediate_size")
+                                         or cfg["intermediate_size"]))
+    w.add_expert_shared_count(int(cfg.get("n_shared_experts") or 0))
+    # Written always: without it llama.cpp's deepseek2 falls back to softmax routing (the
+    # converter writes it only when the config names scoring_func, which transformers'
+    # configs drop). Every family here routes by sigmoid.
+    w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    if cfg.get("routed_scaling_factor") is not None:
+        w.add_expert_weights_scale(float(cfg["routed_scaling_factor"]))
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    if arch == "glm4moe":
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        rot = _GLM_PARTIAL_ROTARY if partial_rotary is None else partial_rotary
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(int(head_dim * rot))
+        return
+    check_mla(cfg)
+    kv_lora, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+    if cfg.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(int(cfg["q_lora_rank"]))
+    w.add_kv_lora_rank(kv_lora)
+    w.add_key_length(kv_lora + rope)
+    w.add_value_length(kv_lora)
+    w.add_key_length_mla(int(cfg["qk_nope_head_dim"]) + rope)
+    w.add_value_length_mla(int(cfg["v_head_dim"]))
+    w.add_rope_dimension_count(rope)
+    scaling = rope_scaling(cfg)
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if scaling.get(key) is not None:
+                add(float(scaling[key]))
+        if scaling.get("mscale_all_dim") is not None:
+            # llama.cpp's deepseek2 loader divides this key by 0.1 (a legacy of its converter).
+            w.add_rope_scaling_yarn_log_mul(0.1 * float(scaling["mscale_all_dim"]))
+
+
+def check_mla(cfg: dict) -> None:
+    """ValueError where llama.cpp's deepseek2 would not load or would decode otherwise."""
+    n = int(cfg["num_hidden_layers"])
+    if cfg.get("q_lora_rank") is None and n not in (26, 27):
+        # llama.cpp reads attention.q_lora_rank unless the layer count is that of the "lite"
+        # releases (DeepSeek-V2-Lite and kin), so such a file would not load.
+        raise ValueError(
+            f"q_lora_rank is null (a plain q_proj) and the model has {n} layers: llama.cpp's "
+            "deepseek2 loads plain-q models only with the 26 or 27 layers of DeepSeek-V2-Lite "
+            "and kin; this checkpoint has no GGUF form that llama.cpp loads")
+    scaling = rope_scaling(cfg)
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale is not None and mscale_all is not None and float(mscale) != float(mscale_all):
+            # llama.cpp scales attention by mscale_all_dim alone and leaves the rotary
+            # magnitude at 1; HF also multiplies cos/sin by mscale / mscale_all_dim.
+            raise ValueError(
+                f"YaRN mscale {mscale} differs from mscale_all_dim {mscale_all}: llama.cpp's "
+                "deepseek2 assumes they are equal (as in DeepSeek-V3 and Kimi-K2 releases) and "
+                "would decode this checkpoint differently from transformers")
+
+
+def rope_scaling(cfg: dict) -> dict:
+    """The config's RoPE scaling (transformers 5 keeps it in rope_parameters)."""
+    return cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+
+
+def head_count_kv(arch: str, cfg: dict) -> int | None:
+    """llama.cpp's KV head count where it differs from the config's (MLA: one)."""
+    return 1 if arch == "deepseek2" else None
+
+
+def split_kv_b(t: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj [head * (nope + v), kv_lora] -> (k_b [head, kv_lora, nope], v_b [head, v,
+    kv_lora]): what the absorbed attention multiplies by."""
+    heads = int(cfg["num_attention_heads"])
+    nope, v = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+    per_head = t.reshape(heads, nope + v, t.shape[-1])
+    k_b, v_b = per_head.split([nope, v], dim=1)
+    return k_b.transpose(1, 2).contiguous(), v_b.contiguous()
+
+
+def interleave_rope_rows(t: torch.Tensor, cfg: dict, heads: int) -> torch.Tensor:
+    """Rows of q (``heads`` heads of nope + rope) or kv_a (kv_lora + rope, ``heads`` 0)
+    with each rope part reordered from halves to adjacent pairs; unchanged for checkpoints
+    that store them interleaved already."""
+    if cfg.get("rope_interleave", True):
+        return t
+    rope = int(cfg["qk_rope_head_dim"])
+    half = rope // 2
+
+    def pairs(rows: torch.Tensor) -> torch.Tensor:  # [..., rope, in]: halves -> pairs
+        lead = rows.shape[:-2]
+        split = rows.reshape(*lead, 2, half, rows.shape[-1])
+        return split.transpose(-3, -2).reshape(rows.shape)
+
+    t = t.clone()
+    if heads:
+        per_head = t.view(heads, -1, t.shape[-1])
+        per_head[:, -rope:] = pairs(per_head[:, -rope:])
+    else:
+        t[-rope:] = pairs(t[-rope:])
+    return t
+
+
+# GLM's chat turns end at <|user|> or <|observation|>, not at its eos: llama.cpp's converter
+# writes them as end-of-turn / end-of-message ids (and [gMASK] as bos), so that llama-server
+# stops a reply where the model hands the turn back.
+_GLM_SPECIAL = {"bos_token_id": "[gMASK]", "eot_token_id": "<|user|>",
+                "unknown_token_id": "<|endoftext|>", "eom_token_id": "<|observation|>"}
+
+
+def special_tokens(model_type: str | None, vocab: dict) -> dict:
+    """``vocab`` (Tokenizer.gguf_vocab's fields) with the family's special ids set."""
+    if model_type not in ("glm4_moe", "glm4_moe_lite"):
+        return vocab
+    ids = {t: i for i, t in enumerate(vocab["tokens"])}
+    found = {key: ids[tok] for key, tok in _GLM_SPECIAL.items() if tok in ids}
+    return {**vocab, **found}
