@@ -440,6 +440,29 @@ def test_moe_metadata_matches_what_llama_cpp_expects(moe):
         assert (md["tokenizer.ggml.eot_token_id"], md["tokenizer.ggml.eom_token_id"]) == (2, 3)
 
 
+def test_moe_gguf_runs_in_mtpkit_as_its_checkpoint(moe):
+    """mtpkit reads its own glm4moe / deepseek2 files back (kv_b merged again, the rope rows
+    left interleaved and the config saying so): the logits equal the folder's, and greedy
+    decoding with MTP gives the folder's tokens and draft counts."""
+    case, model = moe
+    path = _gguf(model, "F32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = load_model(model).model, load_model(path).model
+    assert b.mtp is not None
+    ids = torch.tensor([list(range(3, 43))])  # past YaRN's original 32 positions
+    with torch.no_grad():
+        torch.testing.assert_close(b.logits(b(ids).hidden), a.logits(a(ids).hidden),
+                                   rtol=0, atol=1e-4)
+    tok = Tokenizer.from_hf_dir(model)
+    for prompt in PROMPTS[:2]:
+        want, res = _mtpkit_run(model, tok.encode(prompt), 24, 2)
+        got, res_gguf = _mtpkit_run(path, tok.encode(prompt), 24, 2)
+        assert got == want
+        assert (res_gguf.metrics.num_draft_tokens, res_gguf.metrics.num_accepted_tokens) == (
+            res.metrics.num_draft_tokens, res.metrics.num_accepted_tokens)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                           "mscale": 1.0, "mscale_all_dim": 0.707,

@@ -12,6 +12,7 @@ each change, so that ``get_tensor`` returns what the HF safetensors file holds, 
   qwen3next splits ``in_proj_qkvz`` into ``attn_qkv`` and ``attn_gate``; qwen35 reorders the
   linear-attention value heads from grouped-by-key-head to tiled when there are more value
   heads than key heads;
+- ``glm4moe`` / ``deepseek2`` (DeepSeek-style MoE, MLA): see ``gguf_moe``;
 - MTP heads live in blocks ``n .. n + k - 1`` (``n = block_count - nextn_predict_layers``) as
   ``blk.N.nextn.*`` plus an ordinary decoder block. They read back as DeepSeek-style
   ``model.layers.N.*`` names, or as the ``mtp.*`` layout for qwen3next / qwen35.
@@ -57,6 +58,9 @@ _ARCHS = {
         "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
         "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
         "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
+        "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
+        # GLM-4.7-Flash files too: the same model as DeepSeek-V3's, whatever the release.
+        "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     }.items()
     if arch in _KNOWN_ARCHS
 }
@@ -357,11 +361,6 @@ class GGUFCheckpoint:
     def config(self) -> dict:
         """The HF-style config (cached; ``hf_config()`` returns a copy)."""
         md = self._md
-        if self.arch in gguf_moe.MOE_ARCHS:
-            raise CheckpointError(
-                f"{self.path}: mtpkit writes {self.arch} GGUF files for llama.cpp (llama-server "
-                "-m FILE --spec-type draft-mtp runs them with MTP) but does not run them itself "
-                "yet; give mtpkit the Hugging Face checkpoint instead")
         model_type, hf_class = _ARCHS.get(self.arch, (self.arch, None))
         heads, kv = self._heads()
         hidden = md(Keys.LLM.EMBEDDING_LENGTH)
@@ -401,6 +400,16 @@ class GGUFCheckpoint:
                 cfg[field] = int(self.metadata[key])
         if self.arch in _QWEN_NEXT:
             cfg.update(self._qwen_next_config())
+        if self.arch in gguf_moe.MOE_ARCHS:
+            try:
+                cfg.update(gguf_moe.read_config(self.arch, md, self._tensors.__contains__))
+            except ValueError as e:
+                raise CheckpointError(f"{self.path}: {e}") from e
+            if self.arch == "deepseek2":
+                for key in ("head_dim", "partial_rotary_factor", "num_key_value_heads"):
+                    cfg.pop(key, None)  # MLA's are the absorbed form's: not config fields
+                if cfg.get("rope_scaling"):
+                    cfg["rope_scaling"].update(gguf_moe.yarn_mscale(md))
         return {k: v for k, v in cfg.items() if v is not None}
 
     def _vocab_size(self) -> int | None:
@@ -468,6 +477,7 @@ class GGUFCheckpoint:
         index: dict[str, _Entry] = {}
         arch, n_layer, heads, lin = self.arch, self.n_layer, self._heads(), self._linear()
         qwen_next = arch in _QWEN_NEXT
+        block = {**_BLOCK, **gguf_moe.READ_BLOCK} if arch in gguf_moe.MOE_ARCHS else _BLOCK
         for gname, rt in self._tensors.items():
             stem, suffix = _split_suffix(gname)
             if stem in _GLOBAL:
@@ -515,7 +525,12 @@ class GGUFCheckpoint:
                         (gname, gate), fn=lin.qkvz_to_hf
                     )
                 continue
-            hf = _BLOCK.get(base)
+            if base in ("attn_k_b", "attn_v_b") and arch == "deepseek2":
+                if base == "attn_k_b":
+                    index[f"{prefix}.self_attn.kv_b_proj{suffix}"] = _Entry(
+                        (gname, f"blk.{bid}.attn_v_b{suffix}"), fn=gguf_moe.merge_kv_b)
+                continue
+            hf = block.get(base)
             if hf is None:
                 index[gname] = _Entry((gname,))
                 continue

@@ -186,3 +186,78 @@ def special_tokens(model_type: str | None, vocab: dict) -> dict:
     ids = {t: i for i, t in enumerate(vocab["tokens"])}
     found = {key: ids[tok] for key, tok in _GLM_SPECIAL.items() if tok in ids}
     return {**vocab, **found}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: the same rules backwards.
+
+# GGUF block tensor base -> HF name, where these families differ from gguf.py's table.
+READ_BLOCK = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+
+
+def merge_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``split_kv_b``."""
+    per_head = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+    return per_head.reshape(-1, k_b.shape[1]).contiguous()
+
+
+def read_config(arch: str, md, has_tensor) -> dict:
+    """The HF config fields of a glm4moe / deepseek2 file (``md(key_template, default)``
+    reads its metadata, ``has_tensor(name)`` asks whether a tensor is there)."""
+    from gguf import ExpertGatingFuncType, Keys
+
+    gating = md(Keys.LLM.EXPERT_GATING_FUNC)
+    if gating is not None and int(gating) != ExpertGatingFuncType.SIGMOID:
+        raise ValueError(f"{arch} file routes experts by gating function {gating}; mtpkit runs "
+                         "the sigmoid routing of DeepSeek-V3 and GLM-4.5 only")
+    out = {
+        "n_routed_experts": md(Keys.LLM.EXPERT_COUNT),
+        "num_experts_per_tok": md(Keys.LLM.EXPERT_USED_COUNT),
+        "n_group": md(Keys.LLM.EXPERT_GROUP_COUNT, 1),
+        "topk_group": md(Keys.LLM.EXPERT_GROUP_USED_COUNT, 1),
+        "moe_intermediate_size": md(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+        "n_shared_experts": md(Keys.LLM.EXPERT_SHARED_COUNT, 0),
+        "first_k_dense_replace": md(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+        "routed_scaling_factor": md(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
+        "norm_topk_prob": bool(md(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
+    }
+    if arch == "glm4moe":
+        head_dim = md(Keys.Attention.KEY_LENGTH)
+        out.update(head_dim=head_dim,
+                   attention_bias=has_tensor("blk.0.attn_q.bias"),
+                   use_qk_norm=has_tensor("blk.0.attn_q_norm.weight"))
+        rope = md(Keys.Rope.DIMENSION_COUNT)
+        if rope and head_dim:
+            out["partial_rotary_factor"] = rope / head_dim
+        return out
+    rope = int(md(Keys.Rope.DIMENSION_COUNT))
+    out.update(
+        q_lora_rank=md(Keys.Attention.Q_LORA_RANK),
+        kv_lora_rank=md(Keys.Attention.KV_LORA_RANK),
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=int(md(Keys.Attention.KEY_LENGTH_MLA)) - rope,
+        v_head_dim=md(Keys.Attention.VALUE_LENGTH_MLA),
+        rope_interleave=True,  # written as adjacent pairs, whatever the source stored
+    )
+    return out
+
+
+def yarn_mscale(md) -> dict:
+    """deepseek2's YaRN attention scale as transformers' rope fields (mscale equal to
+    mscale_all_dim, as llama.cpp assumes); empty without one."""
+    from gguf import Keys
+
+    log_mul = md(Keys.Rope.SCALING_YARN_LOG_MUL)
+    if log_mul is None:
+        return {}
+    m = float(log_mul) / 0.1
+    return {"mscale": m, "mscale_all_dim": m}
