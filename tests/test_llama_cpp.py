@@ -66,21 +66,47 @@ def _bpe_tokenizer(out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("qwen35-gguf") / "m"
-    fam = tiny.Family("qwen3_5", lambda: tiny._qwen3_5(VOCAB),
-                      mtp_config_key="mtp_num_hidden_layers")
-    tiny.write_checkpoint(fam, out)
-    # Text positions are the same in every M-RoPE section, so the sections change nothing
-    # here; but llama.cpp asserts they fit the rotated pairs (2 here), and both converters
-    # write the release's [11, 11, 10] when the config has none.
+@dataclass(frozen=True)
+class QwenCase:
+    name: str
+    fam: tiny.Family
+    arch: str
+    rope_dim: int  # head_dim (16) x partial_rotary_factor
+    # llama.cpp drafts and accepts as mtpkit does at k = 1 (same drafts, same counts); see
+    # test_llama_server_runs_mtpkits_gguf_with_mtp for the others.
+    exact_counts: bool = False
+    # llama.cpp's qwen3next drafts only every other round after a rejection (it re-decodes
+    # the recurrent state first), so its counts are not comparable with mtpkit's.
+    comparable_counts: bool = True
+
+
+QWEN_CASES = [
+    QwenCase("qwen3_5", tiny.Family("qwen3_5", lambda: tiny._qwen3_5(VOCAB),
+                                    mtp_config_key="mtp_num_hidden_layers"),
+             "qwen35", 4, exact_counts=True),
+    QwenCase("qwen3_5_moe", tiny.Family("qwen3_5_moe", lambda: tiny._qwen3_5_moe(VOCAB),
+                                        mtp_config_key="mtp_num_hidden_layers"),
+             "qwen35moe", 4),
+    QwenCase("qwen3_next", tiny.Family("qwen3_next", lambda: tiny._qwen3_next(True, VOCAB)),
+             "qwen3next", 8, comparable_counts=False),
+]
+
+
+@pytest.fixture(scope="module", params=QWEN_CASES, ids=[c.name for c in QWEN_CASES])
+def qwen(request, tmp_path_factory) -> tuple[QwenCase, Path]:
+    case: QwenCase = request.param
+    out = tmp_path_factory.mktemp(case.name) / "m"
+    tiny.write_checkpoint(case.fam, out)
     cfg = json.loads((out / "config.json").read_text())
-    cfg["rope_parameters"]["mrope_section"] = [1, 1, 0]
+    if case.arch != "qwen3next":
+        # Text positions are the same in every M-RoPE section, so the sections change
+        # nothing here; but llama.cpp asserts they fit the rotated pairs (2 here), and both
+        # converters write the release's [11, 11, 10] when the config has none.
+        cfg["rope_parameters"]["mrope_section"] = [1, 1, 0]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tiny.add_mtp_head(out, fam)
+    tiny.add_mtp_head(out, case.fam)
     _bpe_tokenizer(out)
-    return out
+    return case, out
 
 
 def _gguf(model: Path, qtype: str) -> Path:
@@ -150,7 +176,8 @@ def _tokens(reply: dict, eos: set[int]) -> list[int]:
     return t[:-1] if t and t[-1] in eos else t
 
 
-def test_metadata_matches_what_llama_cpp_expects(model):
+def test_metadata_matches_what_llama_cpp_expects(qwen):
+    case, model = qwen
     path = _gguf(model, "F32")
     tok = Tokenizer.from_hf_dir(model)
     with open_gguf(path) as g:
@@ -159,18 +186,25 @@ def test_metadata_matches_what_llama_cpp_expects(model):
         # The token list has one entry per embedding row: the tokenizer's, then fillers.
         assert len(tokens) == VOCAB > tok.vocab_size
         assert tokens[tok.vocab_size] == f"[PAD{tok.vocab_size}]"
-        # Partial rotary: a quarter of each 16-wide head (transformers 5 writes the factor
-        # into rope_parameters).
-        assert md["qwen35.rope.dimension_count"] == 4
+        # Partial rotary: a quarter (Qwen3.5) or half (Qwen3-Next) of each 16-wide head
+        # (transformers 5 writes the factor into rope_parameters).
+        assert md[f"{case.arch}.rope.dimension_count"] == case.rope_dim
+        assert md[f"{case.arch}.nextn_predict_layers"] == 1
 
 
 @needs_server
 @pytest.mark.parametrize("k", [1, 2])
-def test_llama_server_runs_mtpkits_gguf_with_mtp(model, k):
+def test_llama_server_runs_mtpkits_gguf_with_mtp(qwen, k):
+    """llama.cpp loads the file, decodes it as mtpkit does and drafts with its nextn head
+    losslessly. Its acceptance is close to mtpkit's; equal draft for draft only for the
+    dense Qwen3.5 at k = 1 (llama.cpp feeds its MTP context the verify batch's rows,
+    rejected drafts included, and a few of its drafts differ from mtpkit's)."""
+    case, model = qwen
     path = _gguf(model, "F32")
     tok = Tokenizer.from_hf_dir(model)
     plain, draft = LlamaServer(path), LlamaServer(
         path, "--spec-type", "draft-mtp", "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0")
+    ours = theirs = 0
     try:
         for prompt in PROMPTS:
             ids = tok.encode(prompt)
@@ -180,15 +214,16 @@ def test_llama_server_runs_mtpkits_gguf_with_mtp(model, k):
             assert _tokens(b, tok.eos_token_ids) == want  # and MTP keeps it lossless
             timings = b["timings"]
             assert timings.get("draft_n", 0) > 0, timings  # the nextn head drafted
-            if k == 1:
-                # One draft a step: the same drafts, so the same counts. Chained drafts
-                # (k >= 2) are counted differently by the two engines (not yet explained:
-                # 30/7 against 28/8 on one prompt), so only losslessness is checked there.
+            ours += res.metrics.num_accepted_tokens
+            theirs += timings["draft_n_accepted"]
+            if k == 1 and case.exact_counts:
                 assert (timings["draft_n"], timings["draft_n_accepted"]) == (
                     res.metrics.num_draft_tokens, res.metrics.num_accepted_tokens)
     finally:
         plain.stop()
         draft.stop()
+    if case.comparable_counts:
+        assert ours > 0 and abs(theirs - ours) <= max(3, ours // 4), (theirs, ours)
 
 
 # Where mtpkit's file may differ from the converter's, and why: nothing llama.cpp's qwen35
@@ -240,17 +275,20 @@ def _run_converter(model: Path, ref: Path) -> Path:
 
 
 @needs_converter
-def test_metadata_and_tensors_equal_llama_cpps_converter(model, tmp_path):
+def test_metadata_and_tensors_equal_llama_cpps_converter(qwen, tmp_path):
     """mtpkit's F32 GGUF of the tiny Qwen3.5 (MTP head included) holds the keys and values
     llama.cpp's convert_hf_to_gguf.py writes for the same folder, save the listed ones, and
     byte-identical tensors under the same names, shapes and types."""
+    case, model = qwen
     theirs, their_tensors = _gguf_contents(_run_converter(model, tmp_path / "ref.gguf"))
     ours, our_tensors = _gguf_contents(_gguf(model, "F32"))
+    a = case.arch
     assert set(theirs) - set(ours) == CONVERTER_ONLY
-    assert set(ours) - set(theirs) == MTPKIT_ONLY
+    assert set(ours) - set(theirs) == {k.replace("qwen35.", f"{a}.") for k in MTPKIT_ONLY}
     differ = {k for k in set(ours) & set(theirs) if ours[k] != theirs[k]}
-    assert differ == DIFFERENT, {k: (ours[k], theirs[k]) for k in differ}
-    assert ours["qwen35.attention.recurrent_layers"] == [True, False, True, False, False]
+    assert differ == {k.replace("qwen35.", f"{a}.") for k in DIFFERENT}, {
+        k: (ours[k], theirs[k]) for k in differ}
+    assert ours[f"{a}.attention.recurrent_layers"] == [True, False, True, False, False]
     assert our_tensors.keys() == their_tensors.keys()
     assert [n for n in our_tensors if our_tensors[n] != their_tensors[n]] == []
 
@@ -564,3 +602,31 @@ def test_moe_metadata_and_tensors_equal_llama_cpps_converter(moe, tmp_path):
                  if case.name.endswith("half_split") else set())
     assert {n for n in set(our_tensors) & set(their_tensors)
             if our_tensors[n] != their_tensors[n]} == rope_rows
+
+
+@needs_server
+@pytest.mark.parametrize("qtype, mtp, head_type", [
+    ("F16", "same", "F16"), ("Q8_0", "keep", "F32"), ("Q4_0", "w8a16", "Q8_0")])
+def test_llama_server_runs_quantized_moe_gguf_losslessly(moe, qtype, mtp, head_type):
+    """Quantized files load too, MTP drafts and stays lossless in llama.cpp (its output is
+    the quantized model's, so it is compared with itself), and the head is stored as asked."""
+    from mtpkit.quant.quantize import quantize_gguf
+
+    _, model = moe
+    path = quantize_gguf(model, model.parent / f"m-{qtype}-{mtp}.gguf", qtype, force=True,
+                         mtp=mtp)
+    with open_gguf(path) as g:
+        assert g._tensors["blk.3.nextn.eh_proj.weight"].tensor_type.name == head_type
+        assert g._tensors["blk.0.attn_output.weight"].tensor_type.name == qtype
+    tok = Tokenizer.from_hf_dir(model)
+    plain, draft = LlamaServer(path), LlamaServer(
+        path, "--spec-type", "draft-mtp", "--spec-draft-n-max", "2", "--spec-draft-n-min", "0")
+    try:
+        for prompt in PROMPTS:
+            ids = tok.encode(prompt)
+            a, b = plain.complete(ids, 32), draft.complete(ids, 32)
+            assert a["tokens"] == b["tokens"]
+            assert b["timings"].get("draft_n", 0) > 0, b["timings"]
+    finally:
+        plain.stop()
+        draft.stop()

@@ -57,11 +57,11 @@ def _qwen3():
     return Qwen3ForCausalLM(cfg)
 
 
-def _qwen3_next(moe: bool):
+def _qwen3_next(moe: bool, vocab_size: int = VOCAB):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     cfg = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
