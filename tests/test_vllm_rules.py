@@ -647,6 +647,73 @@ def test_mimo_v2_ignore_list_missing_mtp(mimo_v2, tmp_path):
     assert not diagnose(only0, ["vllm"]).codes() & _DOCTOR_BAD
 
 
+# SGLang's MiMo-V2-Flash MTP, re-implemented from sgl-project/sglang's
+# python/sglang/srt/models/mimo_v2_flash_nextn.py (MiMoV2MTP, MiMoV2ModelNextN,
+# MiMoV2MTPLayer) and mimo_v2_flash.py (MiMoV2Attention, MiMoV2MLP):
+# - one block, built with the prefix "model.decoder": qkv_proj (QKVParallelLinear), o_proj
+#   (RowParallelLinear, with the quantization config), gate_up_proj / down_proj (a dense
+#   MiMoV2MLP); eh_proj is a plain nn.Linear;
+# - map_model_name_to_mtp_param_name sends model.mtp.layers.{i}.* to the one block for
+#   every i;
+# - no packed_modules_mapping on MiMoV2FlashForCausalLM / MiMoV2MTP, so compressed-tensors'
+#   ignore check sees the fused prefix alone: an exact entry equal to it, or a re: pattern
+#   matching it, keeps the module float; the quantization config's "Linear" targets do the
+#   rest.
+SGLANG_MIMO_V2_BLOCK = {
+    "model.decoder.self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "model.decoder.self_attn.o_proj": ("o_proj",),
+    "model.decoder.mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    "model.decoder.mlp.down_proj": ("down_proj",),
+}
+
+
+def sglang_mimo_v2_mtp_wrong(folder: Path, layers: int) -> dict:
+    """The SGLang MTP modules built otherwise than the stored layers hold them."""
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    wrong = {}
+    for prefix, leaves in SGLANG_MIMO_V2_BLOCK.items():
+        ignored = any(e == prefix or e.startswith("re:") and re.match(e[3:], prefix)
+                      for e in qc["ignore"])
+        sub = prefix.split(".", 2)[2]  # self_attn.qkv_proj
+        parent = sub.rsplit(".", 1)[0]
+        for i in range(layers):  # every stored layer loads into the block
+            stored = stored_quantized(folder, {f"model.mtp.layers.{i}.{parent}.{leaf}"
+                                               for leaf in leaves})
+            if stored == ignored:
+                wrong[f"{prefix} <- layer {i}"] = "quantized" if stored else "float"
+    return wrong
+
+
+@pytest.mark.parametrize("mtp", ["keep", "same"])
+def test_sglang_builds_mimo_v2_mtp_as_quantize_stores_it(mimo_v2, tmp_path, mtp):
+    out = tmp_path / "q"
+    quantize_checkpoint(mimo_v2, out, Scheme("w8a16"), mtp=mtp)
+    assert sglang_mimo_v2_mtp_wrong(out, 3) == {}
+    rep = diagnose(out, ["sglang"])
+    assert not rep.codes() & _DOCTOR_BAD, rep.to_json()
+    assert "sglang-one-mtp-layer" in rep.codes()  # three layers into one block
+    assert "sglang-one-mtp-layer" not in diagnose(out, ["vllm"]).codes()
+
+
+def test_sglang_mimo_v2_needs_its_own_names_in_the_ignore_list(mimo_v2, tmp_path):
+    """The on-disk and vLLM names alone leave SGLang's block quantized over float weights
+    (SGLang renames no ignore entry for this family); doctor says so and fix-config adds
+    the model.decoder names."""
+    out = tmp_path / "q"
+    quantize_checkpoint(mimo_v2, out, Scheme("w8a16"), mtp="keep")
+    bad = _with_ignore(out, tmp_path / "bad",
+                       lambda ignore: [e for e in ignore if not e.startswith("model.decoder.")])
+    assert set(sglang_mimo_v2_mtp_wrong(bad, 3)) >= {
+        "model.decoder.self_attn.qkv_proj <- layer 0", "model.decoder.mlp.down_proj <- layer 0"}
+    assert_vllm_loads(bad, "mimo_v2_flash", mtp_experts=False)  # vLLM is served already
+    rep = diagnose(bad, ["sglang"])
+    f = next(f for f in rep.findings if f.code == "mtp-unquantized-not-ignored")
+    assert "model.decoder.self_attn.qkv_proj" in f.what and "eh_proj" not in f.what
+    fixed = fix_config(bad, tmp_path / "fixed").out
+    assert sglang_mimo_v2_mtp_wrong(fixed, 3) == {}
+    assert "mtp-unquantized-not-ignored" not in diagnose(fixed, ["sglang"]).codes()
+
+
 def test_mimo_v2_runtime_names():
     from mtpkit.checkpoint.runtime_names import describe, vllm_mtp_class
 

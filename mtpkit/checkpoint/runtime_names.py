@@ -40,6 +40,13 @@ mappers) and vLLM's compressed-tensors ignore matching:
   fuses (``qkv_proj``, ``gate_up_proj``), but only layer 0: its loader skips the other
   layers' tensors, so they are never built (``RuntimeModule.built``). The MTP layer's
   ``self_attn.o_proj`` is built without a quantization config, like ``eh_proj``;
+- SGLang builds MiMo-V2-Flash's MTP as one layer (``MiMoV2MTP``, mimo_v2_flash_nextn.py):
+  ``enorm``, ``hnorm``, ``eh_proj`` (a plain ``nn.Linear``) and ``final_layernorm`` at
+  ``model.*``, the block under the prefix ``model.decoder`` (``qkv_proj``, ``o_proj``, a
+  dense ``gate_up_proj`` / ``down_proj``), and its loader maps every stored layer
+  ``model.mtp.layers.{i}.*`` onto that block, so the layer loaded last wins. Neither MiMo-V2
+  class declares a packed-modules mapping: as for Qwen3.5's MTP, only a fused name excludes
+  a fused module, and ignore entries are not renamed;
 - DeepSeek Sparse Attention (``glm_moe_dsa``, ``deepseek_v32``, trunk and MTP layer alike):
   the indexer's ``wq_b`` is a quantizable linear under ``self_attn.indexer``; its ``wk`` and
   ``weights_proj`` are built as one ``self_attn.indexer.wk_weights_proj`` without a
@@ -223,6 +230,8 @@ _MIMO_V2 = {"mimo_v2_flash"}
 # MTP layers vLLM's MiMoV2MTP builds (mimo_v2_mtp.py: num_mtp_layers = 1, whatever the
 # checkpoint stores): later layers' tensors are skipped by its loader.
 _MIMO_V2_VLLM_LAYERS = 1
+# The modules of a MiMo-V2 MTP layer outside its decoder block.
+_MIMO_V2_OWN = ("enorm", "hnorm", "eh_proj", "final_layernorm")
 # vLLM's hf_to_vllm_mapper prefixes of the Qwen3.5 VLM classes (HF name -> engine name).
 _VLM_PREFIXES = (
     ("model.visual.", "visual."),
@@ -368,9 +377,15 @@ def describe(
     if name.startswith("mtp."):
         mtp = True
     elif m := re.match(r"model\.mtp\.layers\.(\d+)\.(.+)$", name):
-        # MiMo-V2-Flash: built under the on-disk names, no prefix map.
+        # MiMo-V2-Flash: vLLM builds them under the on-disk names, no prefix map.
         mtp = True
-        if engine == "vllm" and mt in _MIMO_V2:
+        if engine == "sglang" and mt in _MIMO_V2:
+            # SGLang's MiMoV2MTP builds one layer: its own modules at model.*, the block
+            # under the prefix model.decoder, and every stored layer loads into that block.
+            rest = m[2].replace("pre_mlp_layernorm", "post_attention_layernorm")
+            own = rest.split(".")[0] in _MIMO_V2_OWN
+            name = f"model.{rest}" if own else f"model.decoder.{rest}"
+        elif engine == "vllm" and mt in _MIMO_V2:
             if int(m[1]) >= _MIMO_V2_VLLM_LAYERS:
                 # Described as layer 0 would be (fused names for the ignore list), not built.
                 rt = describe(f"model.mtp.layers.0.{m[2]}", model_type, engine, config=config,
@@ -440,9 +455,9 @@ def describe(
     for fused, shard_leaves in _fusions(mt, engine, mtp, config).items():
         if leaf in shard_leaves:
             runtime = f"{prefix}.{fused}" if prefix else fused
-            if engine == "sglang" and mtp and mt in _QWEN35:
-                # SGLang's Qwen3.5 MTP class declares no packed-modules mapping (sglang#35797):
-                # only the fused name itself can exclude the module.
+            if engine == "sglang" and (mtp and mt in _QWEN35 or mt in _MIMO_V2):
+                # SGLang's Qwen3.5 MTP class (sglang#35797) and its MiMo-V2 classes declare
+                # no packed-modules mapping: only the fused name itself excludes the module.
                 return RuntimeModule(runtime, (), True, mtp, fused=True, kind="fused")
             shards = tuple(f"{prefix}.{s}" if prefix else s for s in shard_leaves)
             return RuntimeModule(runtime, shards, True, mtp, fused=True, kind="fused")

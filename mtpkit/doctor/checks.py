@@ -7,9 +7,7 @@ from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.runtime_names import (
-    _NEXTN as _NEXTN_FAMILIES,
-)
-from ..checkpoint.runtime_names import (
+    _MIMO_V2,
     IgnoreStatus,
     VllmRules,
     describe,
@@ -18,6 +16,9 @@ from ..checkpoint.runtime_names import (
     is_class_name,
     map_ignore_entries,
     vllm_mtp_class,
+)
+from ..checkpoint.runtime_names import (
+    _NEXTN as _NEXTN_FAMILIES,
 )
 from .findings import Finding, Report
 from .layout import (
@@ -163,6 +164,16 @@ def _check_presence(rep, lay: HFLayout, mtp_names, n_mtp, key, declared, engines
             "--speculative-config method mtp has nothing to build",
             "set model_type to the family the weights follow (deepseek_v3 for a DeepSeek-V3 "
             "layout) if that is what they are", ["vllm"], "model_type"))
+    if "sglang" in engines and mt in _MIMO_V2 and n_mtp > 1:
+        rep.add(Finding(
+            "sglang-one-mtp-layer", "warning",
+            f"{n_mtp} MTP layers are stored; SGLang builds one and loads every stored layer "
+            "into it, so the layer it reads last is the one it drafts with, at every step",
+            "SGLang's MiMoV2MTP maps model.mtp.layers.{i}.* onto its single block for every "
+            "i (mimo_v2_flash_nextn.py); layer 0 is the one trained on the trunk's states. "
+            "vLLM reads layer 0 only; mtpkit runs layer i at draft step i",
+            "to draft with layer 0 in SGLang, keep only layer 0 in the copy it loads",
+            ["sglang"], "model.mtp.layers"))
     if not declared_n:
         severity = "error"
         why = ("engines enable the MTP head from this field: without it the head's "
@@ -574,9 +585,9 @@ def _ct_module_findings(lay: HFLayout, engine: str, version=None) -> list[Findin
             "ignore-shards-not-fused", "error",
             f"the ignore list names the on-disk shards of {len(fused_only)} MTP modules that "
             f"{eng} builds fused: {_few(fused_only)}",
-            f"{eng}'s Qwen3.5 MTP model declares no packed-modules mapping (sglang#35797): "
-            "only the fused name itself excludes a fused module, so the head is built "
-            "quantized over BF16 weights",
+            f"{eng}'s model for this family (Qwen3.5's MTP, sglang#35797; MiMo-V2) declares "
+            "no packed-modules mapping: only the fused name itself excludes a fused module, "
+            "so the head is built quantized over BF16 weights",
             fix_config_cmd(path) + "   (adds the fused names)", [engine],
             "quantization_config.ignore"))
     for fused, mods in conflicts.items():

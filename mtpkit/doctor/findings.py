@@ -44,6 +44,8 @@ CODES = {
     "quantized-head-not-targeted": "a head stored quantized is built unquantized: no target "
                                    "names its runtime name",
     "engine-no-mtp-class": "MTP tensors stored for a model_type vLLM builds no MTP draft for",
+    "sglang-one-mtp-layer": "SGLang builds one MiMo-V2 MTP layer and loads every stored one "
+                            "into it",
     "dsa-mtp-index-share": "vLLM reuses a GLM-5 MTP layer's first key selection; mtpkit does not",
     "vllm-version-range": "the quantization config loads as stored in some vLLM releases only",
     "quantized-tensors-missing": "a module stored quantized lacks tensors its format needs",

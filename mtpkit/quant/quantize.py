@@ -416,7 +416,8 @@ def _ignore_list(kept: list[str], layout: _Layout, lm_head: bool = True) -> list
     # An unquantized lm_head is listed even when tied to the embedding, as llm-compressor
     # writes it.
     names = {*kept, "lm_head"} if lm_head else set(kept)
-    return ignore_list_for(sorted(names), layout.raw_model_type, config=layout.raw)
+    # The names vLLM and SGLang build (they differ for SGLang's MTP blocks, model.decoder.*).
+    return ignore_list_for(sorted(names), layout.raw_model_type, "all", config=layout.raw)
 
 
 def _quant_config(scheme, groups: dict, ignore: list[str], layout,
