@@ -297,6 +297,52 @@ def _cmd_calibrate(a) -> int:
     return 0
 
 
+def _distill_args(sub) -> None:
+    p = sub.add_parser(
+        "distill-data",
+        help="write the trunk's own answers to chat and code prompts (calibrate's data)",
+        description="Answer templated chat prompts and prompts about standard-library "
+                    "functions with the trunk, as JSONL shards for `mtpkit calibrate --data`. "
+                    "Resumable: run the same command again to continue a stopped run.",
+    )
+    p.add_argument("--model", help="the trunk to answer with (default: the built-in model, "
+                   "as generate runs it); its head, if any, only speeds the answers up")
+    p.add_argument("--head", help="a head folder to draft with while answering")
+    p.add_argument("--out", required=True, help="output folder (a stopped run's to resume)")
+    p.add_argument("--prompts", type=int, default=2000, help="templated chat prompts")
+    p.add_argument("--code-prompts", type=int, default=0,
+                   help="prompts about functions of this Python's standard library")
+    p.add_argument("--sampled", type=float, default=0.0,
+                   help="share of prompts answered by sampling, not greedily (0 to 1)")
+    p.add_argument("--temperature", type=float, default=0.8, help="for the sampled answers")
+    p.add_argument("--top-p", type=float, default=0.95, help="for the sampled answers")
+    p.add_argument("--max-tokens", type=int, default=192, help="longest answer")
+    p.add_argument("--shards", type=int, default=20, help="JSONL files (calibrate holds out "
+                   "whole files)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="stop after this long (resume later with the same command)")
+    p.set_defaults(func=_cmd_distill)
+
+
+def _cmd_distill(a) -> int:
+    from .engine.session import Session
+    from .train.distill import DistillConfig, run
+
+    cfg = DistillConfig(
+        model=str(a.model or "builtin"), out=a.out, prompts=a.prompts,
+        code_prompts=a.code_prompts, sampled=a.sampled, temperature=a.temperature,
+        top_p=a.top_p, max_tokens=a.max_tokens, shards=a.shards, seed=a.seed,
+        minutes=a.minutes)
+    cfg.validate()
+    session = Session.load(a.model, head=a.head)
+    record = run(cfg, session, log=lambda m: print(m, file=sys.stderr))
+    state = "done" if record["finished"] else "stopped (run the same command to go on)"
+    print(f"{a.out}: {record['done']}/{record['prompts_total']} prompts, "
+          f"{record['answer_tokens']} answer tokens, {state}", file=sys.stderr)
+    return 0
+
+
 def _export_head_args(sub) -> None:
     p = sub.add_parser(
         "export-head",
@@ -442,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_args(sub)
     _warmup_args(sub)
     _calibrate_args(sub)
+    _distill_args(sub)
     _export_head_args(sub)
     _eval_args(sub)
     # Larger tools own their subcommands: each module has add_parser(sub), which registers

@@ -21,6 +21,7 @@ from mtpkit.engine.generate import Engine, Result
 from mtpkit.engine.loader import load_model
 from mtpkit.engine.sampling import SamplingParams
 from mtpkit.train.calibrate import CalibrateConfig, init_scratch_head, run
+from mtpkit.train import distill
 from mtpkit.train.evaluate import teacher_eval
 
 
@@ -507,39 +508,114 @@ def test_recalibrating_a_gguf_head_writes_gguf(tmp_path, capsys):
     assert summary["calibration"]["steps_done"] == 2
 
 
-def _distill_script():
-    import importlib.util
-
-    path = Path(__file__).parents[1] / "scripts" / "chat_distill_data.py"
-    spec = importlib.util.spec_from_file_location("chat_distill_data", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_chat_distill_prompts_leave_the_benchmark_chat_prompts_unseen():
     """The head's chat data must not train on the benchmark's chat topics: every built-in chat
     prompt is named by the exclusion list, and no generated prompt mentions one."""
     from mtpkit.bench.prompts import BUILTIN
 
-    mod = _distill_script()
     for p in BUILTIN:
         if p.chat:
-            assert mod.excluded(p.text), p.name
-    ps = mod.prompts(3000, 0)
-    assert ps == mod.prompts(3000, 0) and len(set(ps)) == 3000
-    assert not [p for p in ps if mod.excluded(p)]
-    assert ps != mod.prompts(3000, 1)
+            assert distill.excluded(p.text), p.name
+    ps = distill.prompts(3000, 0)
+    assert ps == distill.prompts(3000, 0) and len(set(ps)) == 3000
+    assert not [p for p in ps if distill.excluded(p)]
+    assert ps != distill.prompts(3000, 1)
     # Asking for more distinct prompts than exist is refused instead of sampling forever.
-    limit = mod.distinct_prompts()
-    assert 3000 < limit < len(mod.TEMPLATES) * len(mod.TOPICS) ** 2
+    limit = distill.distinct_prompts()
+    assert 3000 < limit < len(distill.TEMPLATES) * len(distill.TOPICS) ** 2
     with pytest.raises(ValueError, match="distinct"):
-        mod.prompts(limit + 1, 0)
+        distill.prompts(limit + 1, 0)
 
 
 def test_chat_distill_cut_answer_loses_the_templates_turn_end():
-    mod = _distill_script()
+    mod = distill
     text = "<|im_start|>user\nHello.<|im_end|>\n<|im_start|>assistant\nHello. Hi there<|im_end|>\n"
     # The answer's text also occurs in the prompt: the cut is after its last occurrence.
     assert mod.cut_end(text, "Hello. Hi there") == text[: text.rindex("<|im_end|>")]
     assert mod.cut_end(text, "Hello.") == text[: text.index("Hello. Hi") + len("Hello.")]
+
+
+class _Stops:
+    """A session that fails after ``n`` answers, as a run killed halfway does."""
+
+    def __init__(self, session, n: int) -> None:
+        self.session, self.n = session, n
+        self.tokenizer, self.engine, self.name = session.tokenizer, session.engine, session.name
+
+    def complete(self, *a, **k):
+        if self.n == 0:
+            raise KeyboardInterrupt
+        self.n -= 1
+        return self.session.complete(*a, **k)
+
+
+def _distill_cfg(out, **kw):
+    base = dict(model="trunk", out=str(out), prompts=5, code_prompts=3, sampled=0.5,
+                max_tokens=6, shards=3, seed=1)
+    base.update(kw)
+    return distill.DistillConfig(**base)
+
+
+def _shards(folder: Path) -> dict:
+    return {f.name: f.read_bytes() for f in sorted(folder.glob("distill-*.jsonl"))}
+
+
+def test_distill_data_resumes_to_what_one_run_writes(setup, tmp_path):
+    """A run stopped halfway (and a torn last line) continues to the bytes an uninterrupted
+    run writes: same prompts, same greedy and seeded sampled answers, same shards; calibrate
+    reads the folder and not its record."""
+    from mtpkit.engine.session import Session
+    from mtpkit.train.data import iter_texts, list_files
+
+    _, trunk, _ = setup
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = Session.load(str(trunk), compile="off")
+    whole = distill.run(_distill_cfg(tmp_path / "whole"), session, log=lambda m: None)
+    assert whole["finished"] and whole["done"] == 8
+    rows = [json.loads(line) for f in sorted((tmp_path / "whole").glob("*.jsonl"))
+            for line in f.read_text().splitlines()]
+    assert {r["kind"] for r in rows} == {"chat", "code"} and len(rows) == 8
+    assert {r["sampled"] for r in rows} == {True, False}
+    assert all(r["prompt"] in r["text"] for r in rows)  # under the tiny chat template
+
+    part = tmp_path / "part"
+    with pytest.raises(KeyboardInterrupt):
+        distill.run(_distill_cfg(part), _Stops(session, 4), log=lambda m: None)
+    assert json.loads((part / distill.MANIFEST).read_text())["done"] == 4
+    with open(part / "distill-001.jsonl", "a") as f:
+        f.write('{"text": "torn')  # killed in the middle of a line
+    again = distill.run(_distill_cfg(part), session, log=lambda m: None)
+    assert again["finished"] and again["answer_tokens"] == whole["answer_tokens"]
+    assert _shards(part) == _shards(tmp_path / "whole")
+    files = list_files([str(part)])
+    assert distill.MANIFEST not in {f.name for f in files} and len(files) == 3
+    assert len(list(iter_texts([str(f) for f in files]))) == 8
+    # Finished: running it again writes nothing more.
+    assert distill.run(_distill_cfg(part), session, log=lambda m: None)["done"] == 8
+    assert _shards(part) == _shards(tmp_path / "whole")
+
+
+def test_distill_data_refuses_other_arguments_and_foreign_folders(setup, tmp_path):
+    from mtpkit.engine.session import Session
+
+    _, trunk, _ = setup
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = Session.load(str(trunk), compile="off")
+    out = tmp_path / "d"
+    distill.run(_distill_cfg(out, prompts=2, code_prompts=0), session, log=lambda m: None)
+    before = _shards(out)
+    with pytest.raises(ValueError, match="other arguments.*max_tokens"):
+        distill.run(_distill_cfg(out, prompts=2, code_prompts=0, max_tokens=7), session)
+    assert _shards(out) == before
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty"):
+        distill.run(_distill_cfg(foreign), session)
+    assert [f.name for f in foreign.iterdir()] == ["notes.txt"]
+    for bad, msg in (({"sampled": 1.5}, "share"), ({"prompts": 0, "code_prompts": 0}, "both 0"),
+                     ({"sampled": 0.5, "temperature": 0.0}, "temperature")):
+        with pytest.raises(ValueError, match=msg):
+            distill.run(_distill_cfg(tmp_path / "x", **bad), session)

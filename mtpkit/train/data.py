@@ -32,6 +32,7 @@ def list_files(paths: list[str]) -> list[Path]:
             out += sorted(
                 f for f in p.rglob("*")
                 if f.is_file() and (f.suffix in TEXT_SUFFIXES or f.suffix == ".jsonl")
+                and f.name != "distill.json"  # distill-data's record of the folder, not text
             )
         elif p.is_file():
             out.append(p)
