@@ -20,8 +20,8 @@ from mtpkit.cli import main
 from mtpkit.engine.generate import Engine, Result
 from mtpkit.engine.loader import load_model
 from mtpkit.engine.sampling import SamplingParams
-from mtpkit.train.calibrate import CalibrateConfig, init_scratch_head, run
 from mtpkit.train import distill
+from mtpkit.train.calibrate import CalibrateConfig, init_scratch_head, run
 from mtpkit.train.evaluate import teacher_eval
 
 
