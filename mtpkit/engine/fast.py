@@ -1512,7 +1512,13 @@ class FastDecoder:
                 for i, g in zip(idx, got, strict=True):
                     out[i] = g
                 continue
-            if n == 1 or not pr.batchable or not self._batch_pays(kind, k, n):
+            group = [steps[i] for i in idx]
+            pooled = (self._pool is not None and all(st.slot is not None for st in group)
+                      and sum(st.t for st in group) <= POOL_MAX_ROWS)
+            # Pooled forks batch through compiled pool programs, which read the weights once
+            # for all: never slower than a program call each, so that way is not tried (a
+            # try costs several batched steps).
+            if n == 1 or not pr.batchable or not (pooled or self._batch_pays(kind, k, n)):
                 t0 = time.perf_counter()
                 for i in idx:
                     out[i] = self.run(steps[i])
@@ -1520,9 +1526,6 @@ class FastDecoder:
                 continue
             threads.tick()
             t0 = time.perf_counter()
-            group = [steps[i] for i in idx]
-            pooled = (self._pool is not None and all(st.slot is not None for st in group)
-                      and sum(st.t for st in group) <= POOL_MAX_ROWS)
             if kind == "decode":
                 if pooled:
                     got = self._decode_pooled(group, [st.args for st in group])
