@@ -78,6 +78,8 @@ MODEL_COMMANDS = {
     "warmup": ["warmup", "--model", "M"],
     "calibrate": ["calibrate", "--model", "M", "--data", "DATA", "--out", "OUT", "--steps", "1"],
     "export-head": ["export-head", "--model", "M", "--out", "OUT"],
+    "distill-data": ["distill-data", "--model", "M", "--out", "OUT", "--prompts", "2",
+                     "--max-tokens", "2"],
     "eval": ["eval", "--model", "M", "--data", "DATA"],
     "quantize": ["quantize", "--model", "M", "--out", "OUT"],
     "doctor": ["doctor", "M"],
@@ -94,6 +96,13 @@ DIAGNOSES_UNKNOWN = {"doctor", "fix-config"}
 
 # Bad option values, on the valid tiny checkpoint MODEL (each refused before any work).
 BAD_FLAGS = [
+    ["distill-data", "--model", "MODEL", "--out", "OUT", "--sampled", "2"],
+    ["distill-data", "--model", "MODEL", "--out", "OUT", "--prompts", "-1"],
+    ["distill-data", "--model", "MODEL", "--out", "OUT", "--prompts", "0"],
+    ["distill-data", "--model", "MODEL", "--out", "OUT", "--shards", "0"],
+    ["distill-data", "--model", "MODEL", "--out", "OUT", "--sampled", "0.5", "--temperature",
+     "0"],
+    ["distill-data", "--model", "MODEL", "--out", "MODEL", "--prompts", "1"],  # not its folder
     ["generate", "hi", "--model", "MODEL", "-k", "-1"],
     ["generate", "hi", "--model", "MODEL", "-k", "two"],
     ["generate", "hi", "--model", "MODEL", "--max-tokens", "-3"],
