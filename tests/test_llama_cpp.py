@@ -51,14 +51,15 @@ VOCAB = 512
 PROMPTS = ["def f(x):\n    return", "The quick brown fox", "import os\nimport sys\n"]
 
 
-def _bpe_tokenizer(out: Path) -> None:
-    """A byte-level BPE of about 360 tokens (fewer than the model's 512 ids)."""
+def _bpe_tokenizer(out: Path, special: tuple[str, ...] = ("<|endoftext|>",)) -> None:
+    """A byte-level BPE of about 360 tokens (fewer than the model's 512 ids), ``special``
+    first (the first is its eos)."""
     import inspect
 
     tok = Backend(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=list(special),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(inspect.getsource(json).splitlines(), trainer)
@@ -200,6 +201,15 @@ def test_llama_server_runs_mtpkits_gguf_with_mtp(qwen, k):
     dense Qwen3.5 at k = 1 (llama.cpp feeds its MTP context the verify batch's rows,
     rejected drafts included, and a few of its drafts differ from mtpkit's)."""
     case, model = qwen
+    _against_llama_server(model, k, exact=k == 1 and case.exact_counts,
+                          counts=case.comparable_counts)
+
+
+def _against_llama_server(model: Path, k: int, exact: bool = False, counts: bool = True) -> None:
+    """llama-server with and without draft-mtp (k drafts) on the F32 GGUF of ``model``:
+    mtpkit's greedy tokens both ways, the nextn head drafting; its accepted drafts summed
+    over the prompts close to mtpkit's (``counts``), or every prompt's drafted and accepted
+    counts equal to mtpkit's (``exact``)."""
     path = _gguf(model, "F32")
     tok = Tokenizer.from_hf_dir(model)
     plain, draft = LlamaServer(path), LlamaServer(
@@ -216,13 +226,13 @@ def test_llama_server_runs_mtpkits_gguf_with_mtp(qwen, k):
             assert timings.get("draft_n", 0) > 0, timings  # the nextn head drafted
             ours += res.metrics.num_accepted_tokens
             theirs += timings["draft_n_accepted"]
-            if k == 1 and case.exact_counts:
+            if exact:
                 assert (timings["draft_n"], timings["draft_n_accepted"]) == (
                     res.metrics.num_draft_tokens, res.metrics.num_accepted_tokens)
     finally:
         plain.stop()
         draft.stop()
-    if case.comparable_counts:
+    if counts:
         assert ours > 0 and abs(theirs - ours) <= max(3, ours // 4), (theirs, ours)
 
 
@@ -338,66 +348,15 @@ def test_hybrid_layout_without_an_interval_round_trips(tmp_path):
 # DeepSeek-style MoE families: GLM-4.5 (glm4moe) and MLA models (deepseek2).
 
 
-def _deepseek(rope_interleave: bool = True, yarn: bool = True):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    # YaRN over a short "original" context, so that it matters within the test lengths;
-    # mscale equal to mscale_all_dim, as in the releases (llama.cpp assumes it).
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
-            "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.8,
-            "original_max_position_embeddings": 32}
-    cfg = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1,
-        n_routed_experts=8, routed_scaling_factor=2.5, n_group=4, topk_group=2,
-        first_k_dense_replace=1, norm_topk_prob=True, tie_word_embeddings=False,
-        rope_interleave=rope_interleave, rope_parameters=rope if yarn else None,
-        bos_token_id=0, eos_token_id=0,
-    )
-    model = DeepseekV3ForCausalLM(cfg)
-    tiny._randomize_router_bias(model)
-    return model
-
-
-def _glm4_moe():
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-
-    cfg = Glm4MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-        moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1, n_routed_experts=8,
-        routed_scaling_factor=2.5, n_group=4, topk_group=2, first_k_dense_replace=1,
-        norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=GLM_EOS,
-    )
-    model = Glm4MoeForCausalLM(cfg)
-    tiny._randomize_router_bias(model)
-    return model
-
-
-def _glm4_moe_lite():
-    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
-
-    cfg = Glm4MoeLiteConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1,
-        n_routed_experts=8, routed_scaling_factor=1.8, n_group=4, topk_group=2,
-        norm_topk_prob=True, tie_word_embeddings=False, rope_interleave=True,
-        mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=1, eos_token_id=GLM_EOS,
-    )
-    model = Glm4MoeLiteForCausalLM(cfg)
-    tiny._randomize_router_bias(model)
-    return model
-
-
 # GLM's tokenizer: its eos, then what its converter writes as bos, eot and eom; a GLM reply
 # ends at any of the three ends (its generation_config lists them all).
-GLM_SPECIAL = ["<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>"]
+GLM_SPECIAL = ("<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>")
 GLM_EOS = [0, 2, 3]
+# tiny's models as llama.cpp takes them: token ids for the BPE tokenizer here, GLM's ends,
+# and YaRN's mscale equal to mscale_all_dim, as in the releases (llama.cpp assumes it).
+_GLM = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": GLM_EOS}
+_DEEPSEEK = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0}
+_YARN_EQUAL = {**tiny.DEEPSEEK_YARN, "mscale": 0.8, "mscale_all_dim": 0.8}
 
 
 @dataclass(frozen=True)
@@ -409,35 +368,28 @@ class MoeCase:
     # The converter of this llama.cpp skips DeepSeek-V3's MTP layer (and block_count
     # counts the trunk only); it keeps GLM's.
     converter_keeps_mtp: bool = True
-    # What the converter writes otherwise (see MOE_CONVERTER_ONLY and MOE_DIFFERENT).
+    # The leading_dense_block_count the converter writes where it misreads the config.
     converter_leading_dense: int | None = None
 
 
 MOE_CASES = [
-    MoeCase("glm4_moe", _glm4_moe, "glm4moe", glm=True),
+    MoeCase("glm4_moe", lambda: tiny._glm4_moe(**_GLM), "glm4moe", glm=True),
     # q LoRA, interleaved rope rows, YaRN: as the DeepSeek-V3 release.
-    MoeCase("deepseek_v3", _deepseek, "deepseek2", converter_keeps_mtp=False),
-    # Half-split rope rows (rope_interleave false): mtpkit interleaves them on the way.
-    MoeCase("deepseek_v3_half_split", lambda: _deepseek(rope_interleave=False, yarn=False),
+    MoeCase("deepseek_v3",
+            lambda: tiny._deepseek_v3(True, rope_parameters=_YARN_EQUAL, **_DEEPSEEK),
             "deepseek2", converter_keeps_mtp=False),
-    # GLM-4.7-Flash: MLA with GLM's tokenizer; its config says mlp_layer_types, not
-    # first_k_dense_replace, which this converter does not read (it writes 0).
-    MoeCase("glm4_moe_lite", _glm4_moe_lite, "deepseek2", glm=True, converter_leading_dense=0),
+    # Half-split rope rows (rope_interleave false): mtpkit interleaves them on the way.
+    MoeCase("deepseek_v3_half_split",
+            lambda: tiny._deepseek_v3(True, rope_interleave=False, rope_parameters=None,
+                                      **_DEEPSEEK),
+            "deepseek2", converter_keeps_mtp=False),
+    # GLM-4.7-Flash: MLA with GLM's tokenizer, dense layers leading only (llama.cpp's
+    # form); its config says mlp_layer_types, not first_k_dense_replace, which this
+    # converter does not read (it writes 0).
+    MoeCase("glm4_moe_lite",
+            lambda: tiny._glm4_moe_lite(mlp_layer_types=["dense", "sparse", "sparse"], **_GLM),
+            "deepseek2", glm=True, converter_leading_dense=0),
 ]
-
-
-def _tokenizer(out: Path, special: list[str]) -> None:
-    import inspect
-
-    tok = Backend(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(inspect.getsource(json).splitlines(), trainer)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
 @pytest.fixture(scope="module", params=MOE_CASES, ids=[c.name for c in MOE_CASES])
@@ -448,7 +400,7 @@ def moe(request, tmp_path_factory) -> tuple[MoeCase, Path]:
                       adjust=None if case.arch == "glm4moe" else tiny._soften_mla_queries)
     tiny.write_checkpoint(fam, out)
     tiny.add_mtp_head(out, fam)
-    _tokenizer(out, GLM_SPECIAL if case.glm else ["<|endoftext|>"])
+    _bpe_tokenizer(out, *([GLM_SPECIAL] if case.glm else []))
     return case, out
 
 
@@ -532,29 +484,9 @@ def test_llama_server_runs_mtpkits_moe_gguf_with_mtp(moe, k):
     losslessly at an acceptance close to mtpkit's own. (The counts are not compared draft
     for draft: llama.cpp feeds its MTP context the verify batch's rows, rejected drafts
     included, and a few of its drafts differ from mtpkit's; equal where they agree.)"""
-    case, model = moe
-    path = _gguf(model, "F32")
-    tok = Tokenizer.from_hf_dir(model)
-    plain, draft = LlamaServer(path), LlamaServer(
-        path, "--spec-type", "draft-mtp", "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0")
-    ours = theirs = 0
-    try:
-        for prompt in PROMPTS:
-            ids = tok.encode(prompt)
-            want, res = _mtpkit_run(model, ids, 32, k)
-            a, b = plain.complete(ids, 32), draft.complete(ids, 32)
-            assert _tokens(a, tok.eos_token_ids) == want
-            assert _tokens(b, tok.eos_token_ids) == want
-            assert b["timings"].get("draft_n", 0) > 0, b["timings"]
-            ours += res.metrics.num_accepted_tokens
-            theirs += b["timings"]["draft_n_accepted"]
-    finally:
-        plain.stop()
-        draft.stop()
-    assert ours > 0 and abs(theirs - ours) <= max(3, ours // 4), (theirs, ours)
+    _against_llama_server(moe[1], k)
 
 
-MOE_CONVERTER_ONLY = CONVERTER_ONLY
 MOE_MTPKIT_ONLY = {"tokenizer.ggml.add_bos_token"}
 
 
@@ -585,7 +517,7 @@ def test_moe_metadata_and_tensors_equal_llama_cpps_converter(moe, tmp_path):
     # The converter takes a bos id from config.json where the tokenizer names none (mtpkit
     # writes the tokenizer's, with add_bos_token false either way).
     bos = set() if case.glm else {"tokenizer.ggml.bos_token_id"}
-    assert set(theirs) - set(ours) == MOE_CONVERTER_ONLY | bos
+    assert set(theirs) - set(ours) == CONVERTER_ONLY | bos
     assert set(ours) - set(theirs) == mtpkit_only
     assert {k for k in set(ours) & set(theirs) if ours[k] != theirs[k]} == differ
     copies = {"blk.3.nextn.embed_tokens.weight", "blk.3.nextn.shared_head_head.weight"}

@@ -109,51 +109,54 @@ def _randomize_router_bias(model, scale: float = 0.1) -> None:
                 buf.copy_(scale * torch.randn(buf.shape))
 
 
-def _glm4_moe():
+def _glm4_moe(**over):
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     # 8 experts in 4 groups, 2 groups kept: group-limited routing is exercised; layer 0 dense.
-    cfg = Glm4MoeConfig(
+    # ``over``: config fields to change (other tests' variants of the same model).
+    cfg = Glm4MoeConfig(**{**dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
         moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1, n_routed_experts=8,
         routed_scaling_factor=2.5, n_group=4, topk_group=2, first_k_dense_replace=1,
         norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
         tie_word_embeddings=False,
-    )
+    ), **over})
     model = Glm4MoeForCausalLM(cfg)
     _randomize_router_bias(model)
     return model
 
 
-def _deepseek_v3(q_lora: bool):
+# YaRN over a short "original" context so that scaling matters inside the test lengths;
+# mscale != mscale_all_dim so that both the cos/sin factor and the softmax scale move.
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                 "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707,
+                 "original_max_position_embeddings": 32}
+
+
+def _deepseek_v3(q_lora: bool, **over):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    # YaRN over a short "original" context so that scaling matters inside the test lengths;
-    # mscale != mscale_all_dim so that both the cos/sin factor and the softmax scale move.
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
-            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707,
-            "original_max_position_embeddings": 32}
-    cfg = DeepseekV3Config(
+    cfg = DeepseekV3Config(**{**dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
         q_lora_rank=32 if q_lora else None, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2,
         n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, n_group=4,
         topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, tie_word_embeddings=False,
-        rope_interleave=q_lora, rope_parameters=rope if q_lora else None,
-    )
+        rope_interleave=q_lora, rope_parameters=DEEPSEEK_YARN if q_lora else None,
+    ), **over})
     model = DeepseekV3ForCausalLM(cfg)
     _randomize_router_bias(model)
     return model
 
 
-def _glm4_moe_lite():
+def _glm4_moe_lite(**over):
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
 
     # As the release: q LoRA, interleaved rope, layer 0 dense; a dense layer in the middle
     # too, so that mlp_layer_types (not first_k_dense_replace) is what decides.
-    cfg = Glm4MoeLiteConfig(
+    cfg = Glm4MoeLiteConfig(**{**dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -161,7 +164,7 @@ def _glm4_moe_lite():
         n_routed_experts=8, routed_scaling_factor=1.8, n_group=4, topk_group=2,
         norm_topk_prob=True, tie_word_embeddings=False, rope_interleave=True,
         mlp_layer_types=["dense", "sparse", "dense"],
-    )
+    ), **over})
     model = Glm4MoeLiteForCausalLM(cfg)
     _randomize_router_bias(model)
     return model

@@ -864,7 +864,7 @@ def _write_metadata(
     w.add_head_count_kv(gguf_moe.head_count_kv(arch, cfg)
                         or int(cfg.get("num_key_value_heads") or heads))
     if arch in gguf_moe.MOE_ARCHS:
-        gguf_moe.write_metadata(w, arch, cfg, n_layer, n_mtp, _partial_rotary(cfg, None))
+        gguf_moe.write_metadata(w, arch, cfg, n_mtp, _partial_rotary(cfg, None))
     elif head_dim is not None:
         if cfg.get("head_dim") is not None:
             w.add_key_length(int(head_dim))

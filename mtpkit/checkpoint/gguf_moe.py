@@ -26,12 +26,9 @@ if TYPE_CHECKING:
     from gguf import GGUFWriter
 
 MOE_ARCHS = {"glm4moe", "deepseek2"}
-# HF model_type -> GGUF arch, for the families written here.
-MOE_MODEL_TYPES = {
-    "glm4_moe": "glm4moe",
-    "deepseek_v3": "deepseek2",
-    "glm4_moe_lite": "deepseek2",
-}
+# HF model_type -> GGUF arch, for model types written as another's arch (gguf.py's _ARCHS
+# holds each arch's own model type, which files of the arch read back as).
+MOE_MODEL_TYPES = {"glm4_moe_lite": "deepseek2"}
 # GLM-4.5 configs that omit it rotate half of each head (transformers' default).
 _GLM_PARTIAL_ROTARY = 0.5
 
@@ -50,7 +47,7 @@ def leading_dense(cfg: dict) -> int:
     return int(cfg.get("first_k_dense_replace") or 0)
 
 
-def write_metadata(w: GGUFWriter, arch: str, cfg: dict, n_layer: int, n_mtp: int,
+def write_metadata(w: GGUFWriter, arch: str, cfg: dict, n_mtp: int,
                    partial_rotary: float | None) -> None:
     """The MoE (and for deepseek2 MLA) keys llama.cpp's loader reads."""
     from gguf import ExpertGatingFuncType

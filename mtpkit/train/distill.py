@@ -260,18 +260,18 @@ def _lines_in_shard(done: int, shard: int, shards: int) -> int:
     return len(range(shard, done, shards))
 
 
-def _prepare(cfg: DistillConfig, out: Path) -> int:
-    """Create the folder, or check a stopped run's record and trim its shards to it;
-    the number of prompts already done."""
+def _prepare(cfg: DistillConfig, out: Path) -> dict | None:
+    """Create the folder, or check a stopped run's record and trim its shards to it; that
+    record (None for a new run)."""
     record = out / MANIFEST
     if not out.exists():
         out.mkdir(parents=True)
-        return 0
+        return None
     if not record.exists():
         if any(out.iterdir()):
             raise ValueError(f"{out} is not empty and holds no {MANIFEST}: give a new --out "
                              "folder (or the folder of a stopped distill-data run)")
-        return 0
+        return None
     rec = json.loads(record.read_text(encoding="utf-8"))
     differ = {k: (rec["args"].get(k), v) for k, v in cfg.recorded().items()
               if rec["args"].get(k) != v}
@@ -290,7 +290,7 @@ def _prepare(cfg: DistillConfig, out: Path) -> int:
                              f"{want}: the folder was changed; give a new --out folder")
         if len(lines) > want or not data.endswith(b"\n") and data:
             shard.write_bytes(b"".join(line + b"\n" for line in lines[:want]))
-    return done
+    return rec
 
 
 def run(cfg: DistillConfig, session=None, log: Callable[[str], None] = print) -> dict:
@@ -301,7 +301,8 @@ def run(cfg: DistillConfig, session=None, log: Callable[[str], None] = print) ->
     cfg.validate()
     out = Path(cfg.out)
     items = all_prompts(cfg)
-    done = _prepare(cfg, out)
+    old = _prepare(cfg, out)
+    done = int(old["done"]) if old else 0
     if session is None:
         from ..engine.session import Session
 
@@ -309,10 +310,7 @@ def run(cfg: DistillConfig, session=None, log: Callable[[str], None] = print) ->
     k = cfg.num_draft_tokens if session.engine.model.mtp is not None else 0
     # Versions per part of the run: a resumed run under other versions is kept (its
     # answers are the trunk's either way), and the record says from which prompt on.
-    parts, tokens = [], 0
-    if (out / MANIFEST).exists():
-        old = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-        parts, tokens = old["versions"], old["answer_tokens"]
+    parts, tokens = (old["versions"], old["answer_tokens"]) if old else ([], 0)
     now = versions()
     if not parts or {k: v for k, v in parts[-1].items() if k != "from_prompt"} != now:
         parts = [*parts, {"from_prompt": done, **now}]
