@@ -19,6 +19,7 @@ from .checkpoint.errors import CheckpointError
 from .engine.metrics import SpecMetrics
 from .engine.sampling import SamplingParams
 from .engine.session import Completion, Session
+from .threads import compute
 
 __all__ = ["Generation", "LoadError", "Model", "Stream", "doctor", "evaluate", "load"]
 
@@ -146,8 +147,8 @@ def load(model=None, head=None, **options) -> Model:
 
         threads.configure(_int(opts["threads"], "threads", 1))
     with _UserErrors():
-        session = Session.load(
-            model, head=head, device=opts["device"], dtype=opts["dtype"],
+        session = compute(
+            Session.load, model, head=head, device=opts["device"], dtype=opts["dtype"],
             full_draft_vocab=bool(opts["full_draft_vocab"]), compile=compile_mode,
             draft_p_min=p_min, draft_vocab_size=opts["draft_vocab_size"],
         )
@@ -212,7 +213,7 @@ class Stream:
             raise StopIteration
         try:
             with _UserErrors():
-                return next(self._pieces)
+                return compute(next, self._pieces)
         except StopIteration as done:
             self.result = Generation._of(done.value, self._k)
             self._pieces = None
@@ -229,7 +230,7 @@ class Stream:
     def close(self) -> None:
         """End the request now (the rest is not generated; ``result`` stays None)."""
         if self._pieces is not None:
-            self._pieces.close()
+            compute(self._pieces.close)
             self._pieces = None
 
     def _interrupt(self) -> None:
@@ -322,13 +323,15 @@ class Model:
         warm = k if params.greedy else "sampled"
         if engine.fast_takes(params) and warm not in self._warm:
             with _UserErrors():  # load (or, with compile="aoti", build) its programs
-                engine.fast.warmup_for(params, k)
+                compute(engine.fast.warmup_for, params, k)
             self._warm.add(warm)
+        pieces = Stream(self.session.stream(ids, params, k), k)
         if stream:
-            self._live = Stream(self.session.stream(ids, params, k), k)
-            return self._live
-        with _UserErrors():
-            return Generation._of(self.session.complete(ids, params, k), k)
+            self._live = pieces
+            return pieces
+        for _ in pieces:  # piece by piece: an interrupt (Ctrl-C) ends the request
+            pass
+        return pieces.result
 
     def _end_live(self) -> None:
         # One request at a time: a stream left unfinished ends before the next request.
@@ -381,12 +384,12 @@ class Model:
         with _UserErrors():
             if mode == "teacher":
                 n = 20000 if max_tokens is None else _int(max_tokens, "max_tokens", 1)
-                rep = teacher_eval(engine.model, self.tokenizer, files, k, n,
-                                   draft_vocab=engine.drafter.vocab)
+                rep = compute(teacher_eval, engine.model, self.tokenizer, files, k, n,
+                              draft_vocab=engine.drafter.vocab)
                 return rep.as_dict()
             n = 64 if max_tokens is None else _int(max_tokens, "max_tokens", 1)
-            return generate_eval(engine, self.tokenizer, files, k, _int(prompts, "prompts", 1),
-                                 max_tokens=n)
+            return compute(generate_eval, engine, self.tokenizer, files, k,
+                           _int(prompts, "prompts", 1), max_tokens=n)
 
 
 def evaluate(data, model=None, head=None, k: int = 3, mode: str = "teacher",
@@ -420,7 +423,7 @@ def doctor(path, engines=None, measure: bool = False, reference=None, device: st
         from .doctor.measure import measure as measure_acceptance
 
         try:
-            m = measure_acceptance(path, device=device)
+            m = compute(measure_acceptance, path, device=device)
         except (CheckpointError, ValueError, RuntimeError) as e:
             # As the CLI: a load failure is a finding, not a crash of doctor.
             report.add(Finding("measure-failed", "error", f"mtpkit cannot load {path}: {e}",
@@ -428,6 +431,6 @@ def doctor(path, engines=None, measure: bool = False, reference=None, device: st
                                "see the static findings", ["mtpkit"], "load"))
         else:
             with _UserErrors():
-                ref = measure_acceptance(reference, device=device) if reference else None
+                ref = compute(measure_acceptance, reference, device=device) if reference else None
             judge(report, m, ref)
     return report

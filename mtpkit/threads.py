@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,3 +188,37 @@ def tick() -> int:
 def limit() -> int:
     """The most threads a step may take here: what compiled programs are built for."""
     return governor().limit
+
+
+# -- the one thread that computes --------------------------------------------------------------
+#
+# Why one thread: torch's CPU parallelism is OpenMP (libgomp), which keeps a team of worker
+# threads per thread that has opened a parallel region, for as long as that thread lives.
+# Once two such teams exist and together hold more threads than there are CPUs, libgomp
+# makes every worker sleep after a hundred spins instead of waiting for the next region, so
+# each of the hundreds of regions a decode step opens pays a wake-up: a Model loaded on the
+# main thread and called from another ran several times slower. The Python API therefore
+# runs every computation on one thread of its own, whichever thread calls it.
+
+_compute: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a fork gets its own
+_compute_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _compute
+    with _compute_lock:
+        if _compute is None or _compute[0] != os.getpid():
+            _compute = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="mtpkit-compute"))
+        return _compute[1]
+
+
+def on_compute_thread() -> bool:
+    """True in the thread that ``compute`` runs its calls on."""
+    return threading.current_thread().name.startswith("mtpkit-compute")
+
+
+def compute(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on the process's compute thread; its result or exception."""
+    if on_compute_thread():
+        return fn(*args, **kwargs)
+    return _executor().submit(fn, *args, **kwargs).result()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import warnings
 
 import pytest
@@ -206,6 +207,50 @@ def test_nothing_leaks_between_requests(models):
         with pytest.raises(RuntimeError, match="ended by a later request"):
             next(stream)
         assert stream.result is None
+
+
+def test_every_computation_runs_on_one_thread_whichever_thread_calls(models, model_dir,
+                                                                      monkeypatch):
+    # Two threads' OpenMP teams make each other's workers sleep between parallel regions
+    # (several times slower), so loading and every step run on the one compute thread.
+    seen: list[str] = []
+
+    def spied(real):
+        def generate(*args, **kwargs):
+            gen = real(*args, **kwargs)
+            while True:
+                seen.append(threading.current_thread().name)
+                try:
+                    token = next(gen)
+                except StopIteration as done:
+                    return done.value
+                yield token
+        return generate
+
+    real_load = mtpkit.api.Session.load.__func__
+
+    def load(cls, *args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return real_load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(mtpkit.api.Session, "load", classmethod(load))
+    fresh = _load(model_dir, compile="off")
+    for model in [fresh, *models.values()]:
+        monkeypatch.setattr(model.engine, "generate", spied(model.engine.generate))
+        out = {}
+
+        def run(tag, model=model, out=out):
+            out[tag] = model.generate("def f(x):", max_tokens=12, k=2, ignore_eos=True).text
+            out[tag + " stream"] = "".join(model.generate("def f(x):", max_tokens=12, k=2,
+                                                          ignore_eos=True, stream=True))
+
+        run("main")
+        caller = threading.Thread(target=run, args=("thread",))
+        caller.start()
+        caller.join()
+        assert out["thread"] == out["main"] == out["thread stream"] == out["main stream"]
+    assert len(seen) > 4 * 12 and set(seen) == {seen[0]}
+    assert seen[0].startswith("mtpkit-compute") and seen[0] != threading.current_thread().name
 
 
 def test_bad_requests_raise_clear_errors(models):
