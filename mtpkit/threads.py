@@ -12,6 +12,7 @@ the team to what is left: all usable CPUs on a quiet machine, fewer beside other
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 import threading
@@ -130,6 +131,8 @@ class Governor:
         # thread that computes, here as it ticks.
         import torch
 
+        if getattr(_local, "alone", False):
+            return  # a thread made to compute alone (compute_alone) stays so
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
 
@@ -200,6 +203,7 @@ def limit() -> int:
 # main thread and called from another ran several times slower. The Python API therefore
 # runs every computation on one thread of its own, whichever thread calls it.
 
+_local = threading.local()
 _compute: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a fork gets its own
 _compute_lock = threading.Lock()
 
@@ -222,3 +226,35 @@ def compute(fn, *args, **kwargs):
     if on_compute_thread():
         return fn(*args, **kwargs)
     return _executor().submit(fn, *args, **kwargs).result()
+
+
+def _openmp():
+    """The OpenMP runtime torch loaded (ctypes handle), or None where none can be found."""
+    for name in ("libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib"):
+        try:  # only a library already in the process: a second copy would be a second runtime
+            return ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_LAZY)
+        except OSError:
+            continue
+    return None
+
+
+def compute_alone() -> bool:
+    """Make the calling thread run its parallel operations on itself alone, with no OpenMP
+    team of its own; False where the runtime cannot be reached (nothing changed).
+
+    For threads that compute only a little beside the one that computes most (the server's
+    request threads beside its engine thread): a team of their own would make the main
+    team's workers sleep between regions (see above)."""
+    import torch
+
+    # torch's per-thread set-up first, or it resets the count at the first parallel
+    # operation (mtpkit's kernels split work without it: csrc/team.h).
+    torch.get_num_threads()
+    omp = _openmp()
+    if omp is None:
+        return False
+    # Why ctypes: torch.set_num_threads also sets the process-wide count (and MKL's) that
+    # the engine thread computes with; OpenMP's own call changes this thread's alone.
+    omp.omp_set_num_threads(1)
+    _local.alone = True
+    return True

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from tiny import Reference
 
 from mtpkit.engine.sampling import SamplingParams
@@ -699,13 +700,28 @@ def test_long_prefill_is_interleaved_with_running_streams(ref, fast):
 
 @pytest.mark.parametrize("packed, fast", [(True, False), (False, False), (True, True)],
                          ids=["packed", "alone", "fast"])
-def test_concurrent_sequences_share_one_trunk_forward(ref, packed, fast):
+def test_concurrent_sequences_share_one_trunk_forward(ref, packed, fast, monkeypatch):
     """Running sequences verify, decode and prefill in one packed forward per step; each gets
     the tokens of a single-request run (greedy and seeded sampling), whatever it runs beside.
     With the fast path, greedy requests run its programs (a slot's own caches) between the
     sampled request's packed steps, with the same tokens."""
-    from mtpkit.serve.scheduler import Request
+    from mtpkit import threads
+    from mtpkit.serve.scheduler import Request, _Worker
 
+    # Request threads compute alone: no OpenMP team beside the engine thread's (which would
+    # make its workers sleep between regions), whatever their steps call.
+    teams: list[int] = []
+    real_decode = _Worker._decode
+
+    def decode(self):
+        try:
+            return real_decode(self)
+        finally:
+            teams.append(torch.get_num_threads())
+
+    monkeypatch.setattr(_Worker, "_decode", decode)
+    monkeypatch.setattr(threads, "_governor", None)
+    threads.configure(2)  # a team to leave (the tests run with one thread otherwise)
     sched = _scheduler(ref, packed=packed, fast=fast)
     prompts = ["def f(x):", "import os\n", "a" * 40, "class A:\n    pass\n" * 3, "x"]
     temps = [0.0, 0.0, 0.0, 0.8, 0.0]
@@ -736,9 +752,11 @@ def test_concurrent_sequences_share_one_trunk_forward(ref, packed, fast):
     assert (sched.packed_steps > 10) == (packed or fast)
     if fast:
         assert sum(s._fast is not None for s in sched._free) >= 3  # greedy slots forked
+    torch.set_num_threads(1)
     for i, (p, t) in enumerate(zip(prompts, temps, strict=True)):
         want, _ = ref.run(ref.ids(p), 24, 3, ignore_eos=True, temperature=t, seed=7)
         assert texts[i] == want, p
+    assert set(teams) == ({1} if not fast else set())  # the fast path runs no such thread
 
 
 def test_engine_failure_gives_500_and_the_engine_goes_on(ref, model_dir):

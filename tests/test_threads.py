@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -122,6 +123,26 @@ def test_configure_threads_is_fixed_and_checked(restore_threads):
     assert threads.limit() == 1
     with pytest.raises(ValueError, match="--threads must be >= 1"):
         threads.configure(0)
+
+
+def test_compute_alone_is_one_thread_and_stays_so(restore_threads):
+    out = {}
+
+    def run():
+        out["alone"] = threads.compute_alone()
+        threads.configure()  # a governor that would size the team to every usable CPU
+        threads.tick()
+        out["n"] = torch.get_num_threads()
+        x = torch.randn(300, 300, generator=torch.Generator().manual_seed(0))
+        out["y"] = x @ x
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    caller.join()
+    assert out["alone"] and out["n"] == 1
+    assert torch.get_num_threads() == threads.limit()  # the calling thread keeps its team
+    x = torch.randn(300, 300, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out["y"], x @ x)
 
 
 def test_full_team_restores_the_count(restore_threads):

@@ -225,6 +225,9 @@ class _Worker:
                 log.exception("metrics accounting failed")
 
     def _main(self) -> None:
+        # The engine thread runs the trunk, with the process's thread team; a request
+        # thread's own team would slow that one (threads.compute_alone).
+        threads.compute_alone()
         self.go.acquire()
         req = self.req
         final: tuple | None = None

@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "aoti_shim.h"
+#include "team.h"
 
 #include <cmath>
 #include <cstdint>
@@ -78,7 +79,7 @@ static at::Tensor argmax_rows(const at::Tensor& x) {
   const int64_t parts = V >= 4096 ? 2 : 1, width = (V + parts - 1) / parts;
   std::vector<Best> found(T * parts);
   const float* xp = xc.data_ptr<float>();
-  at::parallel_for(0, T * parts, 1, [&](int64_t b, int64_t e) {
+  mtpkit_team::parallel_for(0, T * parts, 1, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; w++) {
       const int64_t t = w / parts, c0 = (w % parts) * width, c1 = std::min(V, c0 + width);
       found[w] = scan(xp + t * V + c0, c1 - c0, c0);

@@ -1,6 +1,6 @@
 // The row-wise attention of attend_rows.cpp (its header gives the maths and why it is
 // written by hand), as a plan whose three passes any split of their items can run: through
-// at::parallel_for (attend_rows) or by the threads of a caller's OpenMP region between its
+// mtpkit_team::parallel_for (attend_rows) or by the threads of a caller's OpenMP region between its
 // barriers (w8a8_block.cpp's w8a8_attn_post and w8a8_layer). An item's arithmetic does not depend on the
 // split, so both give the same bits.
 #pragma once

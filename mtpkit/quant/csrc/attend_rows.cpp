@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include "aoti_shim.h"
+#include "team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -44,16 +45,16 @@ static void run(mtpkit_attn::Attend& a) {
   // would cost more than the work.
   if (a.fused(at::get_num_threads())) {
     // One fork: each thread's queries through all three passes.
-    at::parallel_for(0, a.items0(), std::max<int64_t>(1, 65536 / (a.pmax * 2 * a.D)),
+    mtpkit_team::parallel_for(0, a.items0(), std::max<int64_t>(1, 65536 / (a.pmax * 2 * a.D)),
                      [&](int64_t i0, int64_t i1) { a.pass0(i0, i1); });
   } else {
     const int64_t work1 = a.rows * a.g * 8 * a.D;
-    at::parallel_for(0, a.items1(), std::max<int64_t>(1, 65536 / work1),
+    mtpkit_team::parallel_for(0, a.items1(), std::max<int64_t>(1, 65536 / work1),
                      [&](int64_t i0, int64_t i1) { a.pass1(i0, i1); });
-    at::parallel_for(0, a.items2(), std::max<int64_t>(1, 65536 / (a.pmax * 8)),
+    mtpkit_team::parallel_for(0, a.items2(), std::max<int64_t>(1, 65536 / (a.pmax * 8)),
                      [&](int64_t i0, int64_t i1) { a.pass2(i0, i1); });
     const int64_t nq6 = std::min<int64_t>(a.rows * a.g, 6);
-    at::parallel_for(0, a.items3(), std::max<int64_t>(1, 65536 / (a.pmax * 16 * nq6)),
+    mtpkit_team::parallel_for(0, a.items3(), std::max<int64_t>(1, 65536 / (a.pmax * 16 * nq6)),
                      [&](int64_t i0, int64_t i1) { a.pass3(i0, i1); });
   }
   a.pad_rows();
@@ -168,7 +169,7 @@ static at::Tensor attend_seqs(const at::Tensor& q, const at::Tensor& k, const at
   }
   // Threads take whole sequences (one fork a call, where a sequence's own split forked up
   // to three times); the split does not change a row's arithmetic (attend.h).
-  at::parallel_for(0, nseq, 1, [&](int64_t b0, int64_t b1) {
+  mtpkit_team::parallel_for(0, nseq, 1, [&](int64_t b0, int64_t b1) {
     thread_local std::vector<float> buf;
     for (int64_t b = b0; b < b1; b++) {
       mtpkit_attn::Attend& a = plans[b];

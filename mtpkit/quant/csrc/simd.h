@@ -4,6 +4,8 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <ATen/Parallel.h>
+
+#include "team.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -137,7 +139,7 @@ inline void over_rows(int64_t M, const F& f) {
 // independent of which thread computes it.
 template <int B = 8, class F>
 inline void over_columns(int64_t N, const F& f) {
-  at::parallel_for(0, (N + B - 1) / B, 32 / B,
+  mtpkit_team::parallel_for(0, (N + B - 1) / B, 32 / B,
                    [&](int64_t b, int64_t e) { f(B * b, std::min(N, B * e)); });
 }
 

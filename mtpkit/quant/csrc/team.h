@@ -117,6 +117,29 @@ inline int team_size() {
   return omp_in_parallel() ? 1 : std::max(1, at::get_num_threads());
 }
 
+// at::parallel_for's split of [begin, end) (at most one piece a thread, pieces of at least
+// grain), without its per-thread set-up. That set-up runs once per thread in every library
+// that inlines it and resets the thread's OpenMP count to the process's: a thread that
+// computes alone beside the engine (threads.compute_alone) would get a team of its own
+// back at its first kernel call. f must not throw.
+template <class F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (begin >= end) return;
+  const int64_t n = end - begin;
+  const int nt = team_size();
+  if (n <= grain || n == 1 || nt == 1) {
+    f(begin, end);
+    return;
+  }
+  const int64_t pieces = std::min<int64_t>(nt, (n + grain - 1) / std::max<int64_t>(grain, 1));
+  const int64_t chunk = (n + pieces - 1) / pieces;
+#pragma omp parallel num_threads(static_cast<int>(pieces))
+  {
+    const int64_t b = begin + omp_get_thread_num() * chunk;
+    if (b < end) f(b, std::min(end, b + chunk));
+  }
+}
+
 // Thread t's static share [b0, b1) of nb blocks.
 inline void share(int64_t nb, int t, int nt, int64_t& b0, int64_t& b1) {
   b0 = nb * t / nt;
