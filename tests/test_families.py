@@ -123,7 +123,8 @@ def test_scripted_drafts_every_accept_length_and_rollback(name, k, engine_factor
             with torch.no_grad():
                 out = model(torch.tensor([sequence[:n]]))
                 ref_mtp = model.new_mtp_cache(64)
-                model.mtp_forward(torch.tensor([sequence[1 : n + 1]]), out.hidden, 0, 0, ref_mtp)
+                h = out.for_mtp(model.mtp.spec.trunk_hidden)
+                model.mtp_forward(torch.tensor([sequence[1 : n + 1]]), h, 0, 0, ref_mtp)
             live_mtp = engine._mtp_cache[0]
             assert live_mtp.length >= n
             assert torch.allclose(live_mtp.k[:, :, :n], ref_mtp[0].k[:, :, :n], atol=1e-4)

@@ -218,6 +218,86 @@ def _mimo_v2_flash():
     return model
 
 
+STEP_MTP_LAYERS = 3
+
+
+def _step3p7():
+    from transformers import Step3p7Config, Step3p7ForConditionalGeneration
+
+    # Full and sliding layers (a window of 6, more query heads on sliding layers, their own
+    # theta and partial rotary), per-head output gates, q scaled by a query_pre_attn_scalar
+    # that is not head_dim, dense and MoE layers with a shared expert, and clamped SwiGLUs
+    # (layer 0's dense MLP, layer 3's routed and shared experts). Layer 2 is a dense sliding
+    # layer, the shape of the release's MTP blocks (their start in add_mtp_head).
+    text = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        sliding_window=6, num_sliding_attention_heads=6, query_pre_attn_scalar=24,
+        moe_intermediate_size=32, num_experts_per_tok=2, n_routed_experts=8,
+        share_expert_dim=48, moe_router_scaling_factor=2.0, tie_word_embeddings=False,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                     "full_attention"],
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+        rope_theta=[50000.0, 10000.0, 10000.0, 50000.0],
+        partial_rotary_factors=[0.5, 1.0, 1.0, 0.5],
+        swiglu_limits=[0, 0, 0, 0.6], swiglu_limits_shared=[0.8, 0, 0, 0.5],
+    )
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = Step3p7Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    model = Step3p7ForConditionalGeneration(cfg)
+    _randomize_router_bias(model)
+    return model
+
+
+def step_release_config(tc: dict) -> dict:
+    """A text_config as transformers writes it, in the release's own spelling: per-layer
+    lists padded with the MTP layers' entries (sliding window, dense MLP, as the release's),
+    the legacy names transformers reads (num_attention_groups, attention_other_setting,
+    moe_layers_enum, moe_num_experts...), and no transformers-only keys."""
+    n, m = tc["num_hidden_layers"], STEP_MTP_LAYERS
+    types = list(tc["layer_types"]) + ["sliding_attention"] * m
+    mlp = list(tc["mlp_layer_types"]) + ["dense"] * m
+    rope = tc["rope_parameters"]
+    pad = [0.0] * m
+    return {
+        "model_type": "step3p5", "architectures": ["Step3p5ForCausalLM"],
+        "vocab_size": tc["vocab_size"], "hidden_size": tc["hidden_size"],
+        "intermediate_size": tc["intermediate_size"], "num_hidden_layers": n,
+        "num_attention_heads": tc["num_attention_heads"],
+        "num_attention_groups": tc["num_key_value_heads"], "head_dim": tc["head_dim"],
+        "attention_other_setting": {
+            "attention_type": "sliding_attention",
+            "num_attention_heads": tc["num_sliding_attention_heads"],
+            "num_attention_groups": tc["num_key_value_heads"], "head_dim": tc["head_dim"]},
+        "att_impl_type": "GQA", "layer_types": types, "sliding_window": tc["sliding_window"],
+        "use_head_wise_attn_gate": True, "query_pre_attn_scalar": tc["query_pre_attn_scalar"],
+        "rope_theta": [rope[t]["rope_theta"] for t in types],
+        "partial_rotary_factors": [rope[t].get("partial_rotary_factor", 1.0) for t in types],
+        "use_rope_layers": [True] * (n + m),
+        "moe_layers_enum": ",".join(str(i) for i, k in enumerate(mlp) if k == "sparse"),
+        "moe_num_experts": tc["n_routed_experts"], "moe_top_k": tc["num_experts_per_tok"],
+        "moe_intermediate_size": tc["moe_intermediate_size"],
+        "share_expert_dim": tc["share_expert_dim"],
+        "moe_router_scaling_factor": tc["moe_router_scaling_factor"],
+        "moe_router_activation": "sigmoid", "norm_expert_weight": True,
+        "use_moe_router_bias": True, "need_fp32_gate": True,
+        "swiglu_limits": list(tc["swiglu_limits"]) + pad,
+        "swiglu_limits_shared": list(tc["swiglu_limits_shared"]) + pad,
+        "rms_norm_eps": tc["rms_norm_eps"],
+        "max_position_embeddings": tc["max_position_embeddings"],
+        "num_nextn_predict_layers": m, "tie_word_embeddings": False,
+    }
+
+
+def _step_release_layout(out: Path) -> None:
+    """transformers saves Step-3.7's tensors in the release's names already; its config it
+    writes in its own spelling, which the release's is rewritten from."""
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["text_config"] = step_release_config(cfg["text_config"])
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
 def _kimi_k25():
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
@@ -312,6 +392,10 @@ FAMILIES = [
            rewrite=_kimi_release_layout, text_prefix="language_model.model."),
     # MiMo-V2-Flash: three MTP layers as released, under model.mtp.layers.{i}.*.
     Family("mimo_v2_flash", _mimo_v2_flash, mtp_layout="mimo_v2", mtp_layers=3),
+    # Step-3.7-Flash: a VLM wrapper in the release's config spelling, three MTP layers at
+    # model.layers.{N + i}.* as released.
+    Family("step3p7", _step3p7, mtp_layout="step3p7", rewrite=_step_release_layout,
+           mtp_layers=STEP_MTP_LAYERS),
 ]
 FAMILY_IDS = [f.name for f in FAMILIES]
 # Built on request (checkpoint_factory) by tests of one feature, outside the shared table.
@@ -433,6 +517,8 @@ def add_mtp_head(
         tensors = to_mimo_layout(tensors)
     elif fam.mtp_layout == "mimo_v2":
         tensors = to_mimo_v2_layout(tensors)
+    elif fam.mtp_layout == "step3p7":
+        tensors = to_step_layout(tensors, target["num_hidden_layers"], model)
     if separate_file:
         save_file(tensors, out / "model_mtp.safetensors", metadata={"format": "pt"})
     else:
@@ -469,6 +555,31 @@ def to_mimo_v2_layout(tensors: dict) -> dict:
             out[f"model.mtp.layers.{block[1]}.{rest}"] = v
         else:
             raise ValueError(f"no MiMo-V2 name for {k}")
+    return out
+
+
+def to_step_layout(tensors: dict, n_layers: int, model) -> dict:
+    """mtp.* head tensors -> Step's model.layers.{n_layers + i}.* (enorm, hnorm, eh_proj,
+    transformer.shared_head.{norm, output}, the block's own names), as released."""
+    import re
+
+    own = {"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "fc": "eh_proj",
+           "norm": "transformer.shared_head.norm"}
+    out, count = {}, 0
+    for k, v in tensors.items():
+        m = re.fullmatch(r"mtp\.(?:per_layer\.(\d+)\.)?(\w+)\.weight", k)
+        block = re.match(r"mtp\.layers\.(\d+)\.(.+)", k)
+        if m and m[2] in own:
+            i, name = int(m[1] or 0), f"{own[m[2]]}.weight"
+        elif block:
+            i, name = int(block[1]), block[2]
+        else:
+            raise ValueError(f"no Step name for {k}")
+        out[f"model.layers.{n_layers + i}.{name}"] = v
+        count = max(count, i + 1)
+    for i in range(count):
+        out[f"model.layers.{n_layers + i}.transformer.shared_head.output.weight"] = (
+            model.lm_head.weight.detach().clone())
     return out
 
 

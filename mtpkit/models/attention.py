@@ -24,6 +24,39 @@ def causal_mask(start: int, t: int, device: torch.device) -> torch.Tensor | None
     return k_pos <= q_pos
 
 
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cache: KVCache | None, scale: float, window: int | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal softmax attention of q [B, H, T, d] (rotated) over new k / v [B, KV, T, d]
+    appended to ``cache``: query t at position p sees keys p-window+1..p (every earlier key
+    when window is None); ``sinks`` [H]: one more softmax logit per head that takes
+    probability and adds nothing. -> [B, H, T, dv]."""
+    b, _, t, _ = q.shape
+    start, valid = 0, None
+    if cache is not None:
+        start = cache.length
+        k, v = cache.update(k, v)
+        valid = cache.key_mask(start + t)
+    q_pos = torch.arange(start, start + t, device=q.device)[:, None]
+    k_pos = torch.arange(k.shape[2], device=q.device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (q_pos - k_pos < window)
+    if valid is not None:
+        allowed = allowed & valid[None, :]
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        # The sink is one more softmax column per head, dropped after normalising.
+        sink = sinks.float().view(1, -1, 1, 1).expand(b, -1, t, 1)
+        probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = F.softmax(scores, dim=-1)
+    return probs.to(v.dtype) @ v
+
+
 class Attention(nn.Module):
     """GQA attention; names as in Llama/Qwen checkpoints (q_proj, k_proj, v_proj, o_proj)."""
 

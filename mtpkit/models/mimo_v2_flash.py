@@ -33,10 +33,10 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..quant.linear import dtype_device
+from .attention import windowed_attention
 from .base import CausalLM, TrunkOutput
 from .cache import KVCache
 from .config import ConfigBase, ConfigError, require
@@ -211,31 +211,8 @@ class SinkAttention(nn.Module):
         k = self.k_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         v = (self.v_proj(x) * self.v_scale).view(b, t, s.kv_heads, s.v_head_dim).transpose(1, 2)
         q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
-        start, valid = 0, None
-        if cache is not None:
-            start = cache.length
-            k, v = cache.update(k, v)
-            valid = cache.key_mask(start + t)
-        q_pos = torch.arange(start, start + t, device=x.device)[:, None]
-        k_pos = torch.arange(k.shape[2], device=x.device)[None, :]
-        allowed = k_pos <= q_pos
-        if s.window is not None:
-            allowed = allowed & (q_pos - k_pos < s.window)
-        if valid is not None:
-            allowed = allowed & valid[None, :]
-        groups = s.heads // s.kv_heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        scores = (q.float() @ k.float().transpose(-1, -2)) * s.head_dim**-0.5
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        if self.sinks is not None:
-            # The sink is one more softmax column per head, dropped after normalising.
-            sink = self.sinks.float().view(1, -1, 1, 1).expand(b, -1, t, 1)
-            probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        else:
-            probs = F.softmax(scores, dim=-1)
-        out = (probs.to(v.dtype) @ v).transpose(1, 2).reshape(b, t, s.heads * s.v_head_dim)
-        return self.o_proj(out)
+        out = windowed_attention(q, k, v, cache, s.head_dim**-0.5, s.window, self.sinks)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, s.heads * s.v_head_dim))
 
 
 class MiMoV2FlashDecoderLayer(PreNormDecoderLayer):

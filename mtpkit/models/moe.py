@@ -26,6 +26,18 @@ class Router(nn.Module):
         return F.linear(x, self.weight)
 
 
+def run_experts(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
+                experts: nn.ModuleList) -> torch.Tensor:
+    """sum_j top_w[:, j] * experts[top_i[:, j]](x) for rows x [N, D], top_w / top_i [N, k]."""
+    out = torch.zeros_like(x)
+    # Loop over the experts actually hit: a decode step touches top_k of them, so the rest
+    # of the expert weights are never read.
+    for e in top_i.unique().tolist():
+        rows, slot = torch.where(top_i == e)
+        out.index_add_(0, rows, (experts[e](x[rows]) * top_w[rows, slot, None]).to(x.dtype))
+    return out
+
+
 class SparseMoE(nn.Module):
     """Top-k experts per token plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
 
@@ -52,13 +64,7 @@ class SparseMoE(nn.Module):
         top_w, top_i = torch.topk(weights, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(-1, keepdim=True)
-        top_w = top_w.to(x.dtype)
-        out = torch.zeros_like(x)
-        # Loop over the experts actually hit: a decode step touches top_k of them, so the
-        # rest of the expert weights are never read.
-        for e in top_i.unique().tolist():
-            rows, slot = torch.where(top_i == e)
-            out.index_add_(0, rows, self.experts[e](x[rows]) * top_w[rows, slot, None])
+        out = run_experts(x, top_w.to(x.dtype), top_i, self.experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)
@@ -143,11 +149,7 @@ class GroupedMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         top_w, top_i = self.gate(x)
-        out = torch.zeros_like(x)
-        for e in top_i.unique().tolist():
-            rows, slot = torch.where(top_i == e)
-            y = self.experts[e](x[rows]) * top_w[rows, slot, None]
-            out.index_add_(0, rows, y.to(x.dtype))
+        out = run_experts(x, top_w, top_i, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.reshape(shape)

@@ -19,6 +19,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
     "kimi_k25": ("kimi_k25", "KimiK25ForCausalLM"),
     "kimi_k2": ("kimi_k25", "KimiK25ForCausalLM"),  # Kimi-K2.5's text_config says kimi_k2
+    # Step-3.7-Flash wraps a step3p5 text model (its text_config's model_type); 3.5 is text only.
+    "step3p5": ("step3p7", "Step3p7ForCausalLM"),
+    "step3p7": ("step3p7", "Step3p7ForCausalLM"),
     "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM"),
     "qwen3_5": ("qwen3_next", "Qwen3NextForCausalLM"),
     "qwen3_5_text": ("qwen3_next", "Qwen3NextForCausalLM"),
