@@ -404,6 +404,10 @@ def test_quantized_head_not_targeted(moe_checkpoints, tmp_path):
     cfg = json.loads((edited / "config.json").read_text())
     group = cfg["quantization_config"]["config_groups"]["group_0"]
     group["targets"] = ["Linear", "lm_head", "model.layers.3.shared_head.head"]
+    # quantize listed the float copy it wrote as ignored; the edited one is quantized
+    cfg["quantization_config"]["ignore"] = [e for e in cfg["quantization_config"]["ignore"]
+                                            if e not in ("model.layers.3.head",
+                                                         "model.layers.3.shared_head.head")]
     (edited / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(AssertionError, match=r"model\.layers\.3\.head"):
         assert_vllm_loads(edited, "deepseek_v3")
@@ -738,3 +742,92 @@ def test_mimo_v2_runtime_names():
     assert vllm_mtp_class("mimo_v2_flash") == "MiMoV2MTP"
     # the trunk's modules are not MTP
     assert not describe("model.layers.3.self_attn.q_proj", "mimo_v2_flash", config=cfg).mtp
+
+
+# -- Step-3.5/3.7-Flash: vLLM's Step3p5MTP builds every MTP layer, its block as mtp_block ------
+# Read from vllm-project/vllm's step3p5.py (Step3p5ForCausalLM: packed q/k/v and gate/up,
+# hf_to_vllm_mapper ".share_expert." -> ".moe.share_expert.", the router an fp32
+# ReplicatedLinear without a quantization config, stacked moe.{gate,up,down}_proj loaded into
+# one FusedMoE "moe.experts") and step3p5_mtp.py (Step3p5MTP: layers model.layers.{L + i}
+# with enorm / hnorm / a quantizable eh_proj / shared_head.head from shared_head.output, every
+# other weight renamed into model.layers.{L + i}.mtp_block.*, ".transformer." dropped).
+
+STEP_CFG = {"model_type": "step3p7", "text_config": {"model_type": "step3p5",
+                                                     "num_hidden_layers": 4}}
+
+
+def test_step_runtime_names():
+    from mtpkit.checkpoint.runtime_names import describe, map_ignore_entries, vllm_mtp_class
+
+    def rt(name):
+        return describe(name, "step3p7", config=STEP_CFG)
+
+    q = rt("model.layers.4.self_attn.q_proj")
+    assert (q.name, q.mtp, q.shards[0]) == ("model.layers.4.mtp_block.self_attn.qkv_proj", True,
+                                            "model.layers.4.mtp_block.self_attn.q_proj")
+    assert rt("model.layers.6.mlp.down_proj").name == "model.layers.6.mtp_block.mlp.down_proj"
+    assert rt("model.layers.5.transformer.self_attn.g_proj").name \
+        == "model.layers.5.mtp_block.self_attn.g_proj"
+    eh = rt("model.layers.4.eh_proj")
+    assert eh.quantizable and eh.mtp and eh.name == "model.layers.4.eh_proj"
+    head = rt("model.layers.4.transformer.shared_head.output")
+    assert (head.name, head.kind) == ("model.layers.4.shared_head.head", "head")
+    assert not rt("model.layers.1.moe.gate").quantizable
+    experts = rt("model.layers.1.moe.up_proj")
+    assert experts.kind == "experts" and experts.name == "model.layers.1.moe.experts"
+    assert "model.layers.1.moe.experts.0.down_proj" in experts.shards
+    shared = rt("model.layers.1.share_expert.up_proj")
+    assert shared.name == "model.layers.1.moe.share_expert.gate_up_proj" and not shared.mtp
+    assert not rt("model.layers.3.self_attn.q_proj").mtp
+    # vLLM maps exact entries as it maps the weights: the on-disk name matches
+    assert map_ignore_entries(["model.layers.1.share_expert.down_proj", "re:.*share_expert.*",
+                               "lm_head"], "step3p7", config=STEP_CFG) == [
+        "model.layers.1.moe.share_expert.down_proj", "re:.*share_expert.*", "lm_head"]
+    assert ignore_status("model.layers.1.share_expert.down_proj",
+                         ["model.layers.1.share_expert.down_proj"], "step3p7",
+                         config=STEP_CFG).value == "ignored"
+    assert vllm_mtp_class("step3p7") == vllm_mtp_class("step3p5") == "Step3p5MTP"
+
+
+@pytest.fixture(scope="module")
+def step(checkpoint_factory):
+    return checkpoint_factory("step3p7")
+
+
+@pytest.mark.parametrize("mtp", ["keep", "same"])
+def test_step_quantize_lists_what_vllm_builds(step, tmp_path, mtp):
+    out = tmp_path / "q"
+    quantize_checkpoint(step, out, Scheme("w8a16"), mtp=mtp)
+    ignore = set(json.loads((out / "config.json").read_text())["quantization_config"]["ignore"])
+    # the router, stacked experts, the vision tower and the per-layer lm_head copies are
+    # written as stored: listed, in vLLM's names too
+    assert {"model.layers.1.moe.experts.0.gate_proj", "model.layers.4.shared_head.head",
+            "vit_large_projector"} <= ignore
+    block = {"model.layers.4.mtp_block.self_attn.qkv_proj",
+             "model.layers.6.mtp_block.mlp.gate_up_proj"}
+    if mtp == "keep":
+        assert block <= ignore and "model.layers.4.eh_proj" in ignore
+        assert not stored_quantized(out, {"model.layers.4.self_attn.q_proj"})
+    else:
+        assert not block & ignore
+        assert stored_quantized(out, {"model.layers.4.self_attn.q_proj"})
+    rep = diagnose(out, ["vllm"])
+    assert rep.facts["mtp_layers_stored"] == 3
+    assert not rep.codes() & _DOCTOR_BAD, rep.to_json()
+
+
+def test_step_ignore_list_without_mtp_block_names(step, tmp_path):
+    # The on-disk names of the MTP block alone: vLLM builds model.layers.{L+i}.mtp_block.*
+    # quantized over float weights (0% acceptance); doctor says so, fix-config repairs it.
+    out = tmp_path / "q"
+    quantize_checkpoint(step, out, Scheme("w8a16"), mtp="keep")
+    bad = _with_ignore(out, tmp_path / "bad",
+                       lambda ignore: [e for e in ignore if ".mtp_block." not in e])
+    rep = diagnose(bad, ["vllm"])
+    f = next(f for f in rep.findings if f.code == "mtp-unquantized-not-ignored")
+    assert "built as model.layers.4.mtp_block.self_attn.qkv_proj" in f.what
+    # every layer is drafted with: q, k, v, o, g, gate, up, down in each of the three
+    assert f.what.startswith("24 MTP modules")
+    assert rep.exit_code == 2
+    fixed = fix_config(bad, tmp_path / "fixed").out
+    assert "mtp-unquantized-not-ignored" not in diagnose(fixed, ["vllm"]).codes()

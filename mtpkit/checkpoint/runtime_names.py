@@ -47,6 +47,15 @@ mappers) and vLLM's compressed-tensors ignore matching:
   ``model.mtp.layers.{i}.*`` onto that block, so the layer loaded last wins. Neither MiMo-V2
   class declares a packed-modules mapping: as for Qwen3.5's MTP, only a fused name excludes
   a fused module, and ignore entries are not renamed;
+- Step-3.5/3.7-Flash (``step3p5``, ``step3p7``; vLLM's step3p5.py and step3p5_mtp.py): the
+  trunk class maps ``.share_expert.`` to ``.moe.share_expert.`` (weights and exact ignore
+  entries alike), builds the router ``moe.gate`` without a quantization config (fp32) and the
+  stacked ``moe.{gate,up,down}_proj`` experts as one ``moe.experts`` module. The draft
+  (``Step3p5MTP``) builds every stored MTP layer ``model.layers.{L + i}`` and drafts step j
+  with layer j mod n: its ``enorm``, ``hnorm``, a quantizable ``eh_proj`` and
+  ``shared_head.head`` (a ParallelLMHead loaded from ``shared_head.output``) under the layer's
+  own prefix, the decoder block under ``model.layers.{L + i}.mtp_block`` (a ``.transformer.``
+  infix on disk dropped), fused as the trunk fuses;
 - DeepSeek Sparse Attention (``glm_moe_dsa``, ``deepseek_v32``, trunk and MTP layer alike):
   the indexer's ``wq_b`` is a quantizable linear under ``self_attn.indexer``; its ``wk`` and
   ``weights_proj`` are built as one ``self_attn.indexer.wk_weights_proj`` without a
@@ -220,7 +229,7 @@ _VLLM_MTP_CLASS = {
     "glm4_moe_lite": "Glm4MoeLiteMTP", "mimo": "MiMoMTP", "mimo_v2_flash": "MiMoV2MTP",
     "qwen3_next": "Qwen3NextMTP",
     "qwen3_5": "Qwen3_5MTP", "qwen3_5_text": "Qwen3_5MTP", "qwen3_5_moe": "Qwen3_5MoeMTP",
-    "qwen3_5_moe_text": "Qwen3_5MoeMTP",
+    "qwen3_5_moe_text": "Qwen3_5MoeMTP", "step3p5": "Step3p5MTP", "step3p7": "Step3p5MTP",
 }
 # Families whose MTP layer sits at model.layers.{L + i} with enorm/hnorm/eh_proj/shared_head.
 _NEXTN = _MLA | _GLM
@@ -232,6 +241,10 @@ _MIMO_V2 = {"mimo_v2_flash"}
 _MIMO_V2_VLLM_LAYERS = 1
 # The modules of a MiMo-V2 MTP layer outside its decoder block.
 _MIMO_V2_OWN = ("enorm", "hnorm", "eh_proj", "final_layernorm")
+# Step-3.5/3.7: MTP layers at model.layers.{L + i} (vLLM's Step3p5MTP), the block under
+# mtp_block, these modules outside it.
+_STEP = {"step3p5", "step3p7"}
+_STEP_OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
 # vLLM's hf_to_vllm_mapper prefixes of the Qwen3.5 VLM classes (HF name -> engine name).
 _VLM_PREFIXES = (
     ("model.visual.", "visual."),
@@ -407,6 +420,9 @@ def describe(
             )
         mtp = True
         name = f"model.layers.{n_layer + int(m[1])}.{m[2]}"
+    elif engine == "vllm" and mt in _STEP and (m := re.match(r"model\.layers\.(\d+)\.(.+)$",
+                                                              name)):
+        return _describe_step(name, int(m[1]), m[2], n_layer, model_type, config)
     elif m := re.match(r"model\.layers\.(\d+)\.(.+)$", name):
         rest = m[2]
         deep = n_layer is not None and int(m[1]) >= n_layer
@@ -464,6 +480,41 @@ def describe(
     return RuntimeModule(name, (), True, mtp)
 
 
+def _describe_step(name: str, layer: int, rest: str, n_layer: int | None,
+                   model_type: str | None, config: dict | None) -> RuntimeModule:
+    """vLLM's Step3p5ForCausalLM / Step3p5MTP module for model.layers.{layer}.{rest}."""
+    mtp = n_layer is not None and layer >= n_layer
+    if mtp:
+        rest = rest.removeprefix("transformer.")
+        own = rest.split(".")[0] in _STEP_OWN
+        if rest == "shared_head.output":
+            return RuntimeModule(f"model.layers.{layer}.shared_head.head", (), True, True,
+                                 kind="head")
+        if rest == "eh_proj":  # a ReplicatedLinear given the quantization config
+            return RuntimeModule(f"model.layers.{layer}.eh_proj", (), True, True)
+        base = f"model.layers.{layer}." if own else f"model.layers.{layer}.mtp_block."
+    else:
+        base = f"model.layers.{layer}."
+        rest = rest.replace("share_expert.", "moe.share_expert.", 1) \
+            if rest.startswith("share_expert.") else rest
+    name = base + rest
+    if m := re.match(r"(.+\.moe)\.(gate_proj|up_proj|down_proj)$", name):
+        # Stacked [E, ...] experts: one FusedMoE, decided by its expert 0's names.
+        experts = f"{m[1]}.experts"
+        return RuntimeModule(experts, expert_probe_names(experts), True, mtp, fused=True,
+                             kind="experts")
+    kind = _leaf_kind(name)
+    if kind != "linear":
+        return RuntimeModule(name, (), kind != "never", mtp, kind=kind)
+    prefix, _, leaf = name.rpartition(".")
+    for fused, shard_leaves in _BASE_FUSIONS.items():
+        if leaf in shard_leaves:
+            return RuntimeModule(f"{prefix}.{fused}",
+                                 tuple(f"{prefix}.{s}" for s in shard_leaves), True, mtp,
+                                 fused=True, kind="fused")
+    return RuntimeModule(name, (), True, mtp)
+
+
 def _leaf_kind(name: str) -> str:
     """linear | head | embedding | never, from the module's name."""
     leaf = name.rsplit(".", 1)[-1]
@@ -474,7 +525,8 @@ def _leaf_kind(name: str) -> str:
     if leaf in _NEVER_QUANTIZED_LEAVES or leaf.endswith("norm") or leaf.endswith("layernorm"):
         return "never"
     # MoE routers are GateLinear / unquantized linears; patch embeddings are convolutions.
-    if name.endswith(".mlp.gate") or leaf == "shared_expert_gate" or "patch_embed" in name:
+    if name.endswith((".mlp.gate", ".moe.gate")) or leaf == "shared_expert_gate" \
+            or "patch_embed" in name:
         return "never"
     # vLLM builds the gated-delta conv1d as a linear layer without a quantization config.
     return "never" if leaf in ("conv1d", "A_log", "dt_bias") else "linear"
@@ -532,6 +584,11 @@ def map_ignore_entries(
                 entry = f"model.{m[2]}" if own else f"model.decoder.{m[2]}"
             out.append(entry)
         return out
+    if engine == "vllm" and mt in _STEP:
+        # Step3p5ForCausalLM's substring map, applied to every dotted exact entry as to the
+        # weights (an entry already naming moe.share_expert gets the prefix twice, as there).
+        return [e.replace(".share_expert.", ".moe.share_expert.")
+                if "." in e and not e.startswith("re:") else e for e in ignore]
     prefixes = _prefix_map(mt, config, VllmRules.of(vllm_version)) if engine == "vllm" else ()
     if not prefixes:
         return ignore
@@ -681,7 +738,8 @@ def ignore_list_for(
 
 def _check_experts_complete(name: str, members: set[str], config: dict | None) -> None:
     # A stacked module is every expert at once; per-expert modules must all be there.
-    if any(m.endswith(".mlp.experts") for m in members):
+    if any(m.endswith(".mlp.experts") or re.search(r"\.moe\.(gate|up|down)_proj$", m)
+           for m in members):
         return
     count = _num_experts(config)
     if not count:

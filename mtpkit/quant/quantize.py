@@ -140,7 +140,7 @@ def quantize_checkpoint(
             prefix = name[: -len(".weight")]
             use = plan.get(prefix) if name.endswith(".weight") else None
             if use is None:
-                if prefix in plan:
+                if prefix in plan or layout.unread_linear(name, tuple(tensor.shape)):
                     report.kept.append(prefix)
                 shards.add(name, tensor)
                 continue
@@ -250,14 +250,33 @@ class _Layout:
 
     def stacked_experts(self, names) -> list[str]:
         """Modules holding stacked 3-D experts (``...mlp.experts`` with gate_up_proj /
-        down_proj): quantize writes them as stored, so they are always left float."""
+        down_proj; Step's ``...moe.{gate,up,down}_proj.weight``): quantize writes them as
+        stored, so they are always left float."""
         out = set()
         for n in names:
             head, _, last = n.rpartition(".")
             if head.endswith(".mlp.experts") and last in ("gate_up_proj", "down_proj"):
                 if self.model.map_checkpoint_name(n) is not None:
                     out.add(head)
+            elif re.search(r"\.moe\.(gate|up|down)_proj\.weight$", n) \
+                    and self.model.map_checkpoint_name(n) is not None:
+                out.add(n[: -len(".weight")])
         return sorted(out)
+
+    def unread_linear(self, name: str, shape: tuple) -> str | None:
+        """The module of a 2-D weight mtpkit does not read (a vision tower's, a per-layer
+        copy of the lm_head) that an engine builds as a quantizable Linear or head: copied
+        float, so it must be listed as ignored. None for anything else."""
+        from ..checkpoint.runtime_names import describe
+
+        if not name.endswith(".weight") or len(shape) != 2 or self._mapped(name) is not None:
+            return None
+        prefix = name[: -len(".weight")]
+        try:
+            kind = describe(prefix, self.raw_model_type, config=self.raw).kind
+        except ValueError:
+            return None
+        return prefix if kind in ("linear", "head") else None
 
     def never_quantized(self, prefix: str) -> bool:
         """A module vLLM builds without a quantization config (describe(...).quantizable is
