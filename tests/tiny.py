@@ -728,3 +728,166 @@ class Reference:
         res = Result()
         tokens = list(self.engine.generate(ids, params, k, result=res))
         return self.tok.decode(tokens), res
+
+
+# -- DeepSeek-V4 (tests/test_deepseek_v4.py builds it; its MTP layers are stored as released) --
+DSV4_MTP_LAYERS = 2
+DSV4_SLIDING, DSV4_CSA, DSV4_HCA = ("sliding_attention", "compressed_sparse_attention",
+                                    "heavily_compressed_attention")
+
+
+def _deepseek_v4(**over):
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    # Every attention kind and both routers; compress rates, window and index_topk small
+    # enough that 20-40 tokens fill several windows, overflow the window and make the
+    # indexer choose; YaRN on the compressed layers; a clamp that bites. 16 indexer heads:
+    # with few, several windows often score exactly 0 (every relu off), and topk breaks such
+    # ties differently from one tensor shape to the next (transformers' and mtpkit's alike).
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, partial_rotary_factor=0.5, q_lora_rank=16,
+        o_groups=2, o_lora_rank=8, moe_intermediate_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, hc_mult=4,
+        layer_types=[DSV4_SLIDING, DSV4_CSA, DSV4_HCA, DSV4_CSA],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        compress_rates={DSV4_CSA: 2, DSV4_HCA: 4}, sliding_window=6, index_n_heads=16,
+        index_head_dim=16, index_topk=3, swiglu_limit=1.0, rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 16, "beta_fast": 32,
+                         "beta_slow": 1},
+        max_position_embeddings=256, num_nextn_predict_layers=0, tie_word_embeddings=False,
+    )
+    kw.update(over)
+    return DeepseekV4ForCausalLM(DeepseekV4Config(**kw))
+
+
+def _dsv4_native(name: str) -> str:
+    """transformers' DeepSeek-V4 tensor name -> the release's (the inverse of transformers'
+    conversion_mapping; per-expert names for mtpkit's split experts)."""
+    import re
+
+    top = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+           "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
+           "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+    if name in top:
+        return top[name]
+    m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+    prefix, rest = f"layers.{m[1]}.", m[2]
+    table = [
+        (r"self_attn\.compressor\.indexer\.scorer\.weights_proj\.", "attn.indexer.weights_proj."),
+        (r"self_attn\.compressor\.indexer\.q_b_proj\.", "attn.indexer.wq_b."),
+        (r"self_attn\.compressor\.indexer\.", "attn.indexer.compressor."),
+        (r"self_attn\.", "attn."), (r"mlp\.", "ffn."), (r"input_layernorm\.", "attn_norm."),
+        (r"post_attention_layernorm\.", "ffn_norm."), (r"attn_hc\.(\w+)$", r"hc_attn_\1"),
+        (r"ffn_hc\.(\w+)$", r"hc_ffn_\1"), (r"\.sinks$", ".attn_sink"),
+        (r"compressor\.kv_norm\.", "compressor.norm."), (r"\.position_bias$", ".ape"),
+        (r"\.q_a_proj\.", ".wq_a."), (r"\.q_b_proj\.", ".wq_b."), (r"\.q_a_norm\.", ".q_norm."),
+        (r"\.kv_proj\.", ".wkv."), (r"\.gate_proj\.", ".w1."), (r"\.up_proj\.", ".w3."),
+        (r"\.down_proj\.", ".w2."), (r"compressor\.w1\.", "compressor.wgate."),
+        (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."),
+        (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+    ]
+    for pattern, repl in table:
+        rest = re.sub(pattern, repl, rest)
+    return prefix + rest
+
+
+def dsv4_native_tensors(tensors: dict) -> dict:
+    """A transformers DeepSeek-V4 state dict in the release's names (experts one by one)."""
+    out = {}
+    for k, v in tensors.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            base = _dsv4_native(k[: -len("gate_up_proj")] + "x.weight")[: -len("x.weight")]
+            half = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.w1.weight"] = v[e, :half].contiguous()
+                out[f"{base}{e}.w3.weight"] = v[e, half:].contiguous()
+        elif k.endswith("mlp.experts.down_proj"):
+            base = _dsv4_native(k[: -len("down_proj")] + "x.weight")[: -len("x.weight")]
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.w2.weight"] = v[e].contiguous()
+        else:
+            out[_dsv4_native(k)] = v.contiguous()
+    return out
+
+
+def dsv4_mtp_release_tensors(model) -> dict:
+    """An mtpkit DeepSeek-V4 model's MTP layers as the release stores them (mtp.{i}.*, with
+    the copies of the trunk's head and embedding it carries)."""
+    out = {}
+    for i, layer in enumerate(model.mtp.layers):
+        for k, v in layer.state_dict().items():
+            v = v.detach().clone().contiguous()
+            if k.startswith("block."):
+                native = _dsv4_native(f"model.layers.0.{k[len('block.'):]}")
+                out[f"mtp.{i}.{native[len('layers.0.'):]}"] = v
+            elif k.startswith("hc_head."):
+                out[f"mtp.{i}.hc_head_{k.split('.')[1][len('hc_'):]}"] = v
+            else:
+                out[f"mtp.{i}.{k}"] = v
+        out[f"mtp.{i}.head.weight"] = model.lm_head.weight.detach().clone()
+        out[f"mtp.{i}.emb.tok_emb.weight"] = model.model.embed_tokens.weight.detach().clone()
+    return out
+
+
+def write_deepseek_v4(out: Path, seed: int = 0, layers: int = DSV4_MTP_LAYERS,
+                      steps: int = 60) -> torch.nn.Module:
+    """A random tiny DeepSeek-V4 as transformers saves it, with MTP layers (trained on the
+    trunk's greedy text, layer i at depth i + 1) in model_mtp.safetensors as released."""
+    torch.manual_seed(seed)
+    ref = _deepseek_v4().eval()
+    randomize(ref, seed)
+    _randomize_router_bias(ref)
+    g = torch.Generator().manual_seed(seed + 3)
+    cfg = ref.config
+    with torch.no_grad():
+        for name, buf in ref.named_buffers():
+            if name.endswith("tid2eid"):  # distinct experts per token, as a hash table has
+                buf.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)
+                                       [: cfg.num_experts_per_tok]
+                                       for _ in range(cfg.vocab_size)]))
+    ref.save_pretrained(out)
+    cfg_path = out / "config.json"
+    d = json.loads(cfg_path.read_text())
+    d["num_nextn_predict_layers"] = layers
+    cfg_path.write_text(json.dumps(d, indent=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_model(d, torch.device("cpu"))
+        model.load_checkpoint(open_checkpoint(out), keep_missing_head=True)
+    randomize(model.mtp, seed + 1)
+    _distill_dsv4(model, seed, steps)
+    save_file(dsv4_mtp_release_tensors(model), out / "model_mtp.safetensors",
+              metadata={"format": "pt"})
+    return ref
+
+
+def _distill_dsv4(model, seed: int, steps: int) -> None:
+    """Teach MTP layer i the trunk's greedy token i + 2 past the state it chains from."""
+    g = torch.Generator().manual_seed(seed + 5)
+    data = torch.randint(0, VOCAB, (16, 12), generator=g)
+    with torch.no_grad():
+        for _ in range(16):
+            nxt = model.logits(model(data).hidden[:, -1:]).argmax(-1)
+            data = torch.cat([data, nxt], 1)
+        out = model(data)
+        target = model.logits(out.hidden).argmax(-1)
+    head = model.mtp
+    head.train().requires_grad_(True)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    n_layers = len(head.layers)
+    for _ in range(steps):
+        loss, state = 0.0, out.pre_norm
+        for i in range(n_layers):
+            t = data.shape[1] - 2 - i  # layer i: h_j (chained) and t_{j+1+i} -> t_{j+2+i}
+            o = model.mtp_forward(data[:, 1 + i: 1 + i + t], state[:, :t], i, 0, None)
+            logits = model.logits(o.hidden)
+            loss = loss + torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), target[:, 1 + i: 1 + i + t].flatten())
+            state = o.pre_norm
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.eval().requires_grad_(False)

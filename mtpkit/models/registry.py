@@ -15,6 +15,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "mimo_v2_flash": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "deepseek_v4": ("deepseek_v4", "DeepseekV4ForCausalLM"),
     "glm4_moe_lite": ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
     "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
     "kimi_k25": ("kimi_k25", "KimiK25ForCausalLM"),
