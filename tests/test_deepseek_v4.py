@@ -333,3 +333,29 @@ def test_unsupported_configs_are_refused(change, message, dsv4):
     d = {k: v for k, v in {**d, **change}.items() if v is not None}
     with pytest.raises(ConfigError, match=message):
         DeepseekV4Config.from_hf_config(d)
+
+
+def test_doctor_counts_the_mtp_layers_and_misses_none(dsv4, tmp_path):
+    from mtpkit.doctor import diagnose
+
+    rep = diagnose(dsv4[0])
+    assert rep.facts["mtp_layers_stored"] == DSV4_MTP_LAYERS and rep.exit_code == 0, \
+        rep.to_json()
+    # The release without its mtp.* tensors (an export that dropped them): a head is missing.
+    out = tmp_path / "no-mtp"
+    out.mkdir()
+    for f in dsv4[0].iterdir():
+        if f.name == "model_mtp.safetensors":
+            continue
+        if f.suffix == ".safetensors":
+            kept = {k: v for k, v in load_file(f).items() if not k.startswith("mtp.")}
+            save_file(kept, out / f.name)
+        elif f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        idx = json.loads(index.read_text())
+        idx["weight_map"] = {k: v for k, v in idx["weight_map"].items()
+                             if not k.startswith("mtp.")}
+        index.write_text(json.dumps(idx))
+    assert "mtp-missing" in diagnose(out).codes()

@@ -13,7 +13,7 @@ from ..checkpoint.errors import CheckpointError
 # Families whose releases carry a native MTP head.
 NATIVE_MTP = {
     "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-    "deepseek_v3", "glm4_moe", "mimo", "mimo_v2_flash",
+    "deepseek_v3", "glm4_moe", "mimo", "mimo_v2_flash", "deepseek_v4", "step3p5", "step3p7",
 }
 QWEN35 = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
 QWEN_MTP = QWEN35 | {"qwen3_next"}  # heads stored as mtp.*
@@ -86,7 +86,9 @@ def mtp_layer_count(names: list[str], n_layer: int | None) -> int:
         if not is_mtp_tensor(n, n_layer):
             continue
         any_mtp = True
-        if m := re.match(r"(?:mtp\.layers|model\.mtp_layers|model\.mtp\.layers)\.(\d+)\.", n):
+        # ... and DeepSeek-V4's mtp.{i}.* (model.mtp.{i}.* as transformers saves it)
+        if m := re.match(r"(?:mtp\.layers|model\.mtp_layers|(?:model\.)?mtp(?:\.layers)?)"
+                         r"\.(\d+)\.", n):
             layers.add(int(m[1]))
         elif (m := re.match(_TEXT_LAYER, n)) and n_layer:
             layers.add(int(m[1]) - n_layer)
