@@ -262,19 +262,26 @@ def _gguf_contents(path: Path) -> tuple[dict, dict]:
     return fields, tensors
 
 
-def _run_converter(model: Path, ref: Path) -> Path:
-    """llama.cpp's convert_hf_to_gguf.py on ``model``, F32, into ``ref``."""
+def _run_converter(model: Path, ref: Path, raw_config: bool = False) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on ``model``, F32, into ``ref``; with ``raw_config``
+    it reads config.json as written rather than through transformers' AutoConfig."""
     import sys
 
     conv = Path(CONVERTER).resolve()
     # The converter names a BPE pre-tokenizer by hashing how known releases' tokenizers
     # split a test text; the tiny tokenizer is none of them, so the run is told what mtpkit
     # writes for a byte-level BPE (gpt-2) instead of stopping there.
+    # Step's converter reads the release's own key names (num_attention_groups,
+    # moe_num_experts...), which it gets from config.json where transformers has no step3p5
+    # class; transformers 5.23 has one and renames them, so ``raw_config`` bypasses it (the
+    # converter falls back to config.json when AutoConfig fails).
+    bypass = "base.AutoConfig = None\n" if raw_config else ""
     script = (
         "import runpy, sys\n"
         f"sys.path[:0] = [{str(conv.parent)!r}, {str(conv.parent / 'gguf-py')!r}]\n"
         "from conversion import base\n"
         "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+        f"{bypass}"
         f"sys.argv = [{str(conv)!r}, {str(model)!r}, '--outfile', {str(ref)!r}, "
         "'--outtype', 'f32']\n"
         f"runpy.run_path({str(conv)!r}, run_name='__main__')\n")
@@ -542,17 +549,21 @@ def test_moe_metadata_and_tensors_equal_llama_cpps_converter(moe, tmp_path):
 def test_llama_server_runs_quantized_moe_gguf_losslessly(moe, qtype, mtp, head_type):
     """Quantized files load too, MTP drafts and stays lossless in llama.cpp (its output is
     the quantized model's, so it is compared with itself), and the head is stored as asked."""
+    _quantized_lossless(moe[1], qtype, mtp, head_type, ["blk.3.nextn.eh_proj.weight"], 2)
+
+
+def _quantized_lossless(model: Path, qtype: str, mtp: str, head_type: str,
+                        head_tensors: list[str], k: int) -> None:
     from mtpkit.quant.quantize import quantize_gguf
 
-    _, model = moe
     path = quantize_gguf(model, model.parent / f"m-{qtype}-{mtp}.gguf", qtype, force=True,
                          mtp=mtp)
     with open_gguf(path) as g:
-        assert g._tensors["blk.3.nextn.eh_proj.weight"].tensor_type.name == head_type
+        assert {g._tensors[n].tensor_type.name for n in head_tensors} == {head_type}
         assert g._tensors["blk.0.attn_output.weight"].tensor_type.name == qtype
     tok = Tokenizer.from_hf_dir(model)
     plain, draft = LlamaServer(path), LlamaServer(
-        path, "--spec-type", "draft-mtp", "--spec-draft-n-max", "2", "--spec-draft-n-min", "0")
+        path, "--spec-type", "draft-mtp", "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0")
     try:
         for prompt in PROMPTS:
             ids = tok.encode(prompt)
@@ -562,3 +573,396 @@ def test_llama_server_runs_quantized_moe_gguf_losslessly(moe, qtype, mtp, head_t
     finally:
         plain.stop()
         draft.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Step-3.5 / 3.7-Flash (step35): hybrid sliding / full attention with per-head gates, MoE with
+# a shared expert and SwiGLU clamps, and three MTP layers, all written as nextn blocks.
+
+STEP_MTP = tiny.STEP_MTP_LAYERS
+
+
+def _step_text_only(out: Path) -> None:
+    """A Step-3.5-Flash folder: the tiny Step-3.7's text model, its config in the release's
+    spelling (what llama.cpp's converter reads), the vision tower dropped."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(
+        json.dumps(tiny.step_release_config(cfg["text_config"]), indent=2))
+    tensors = load_file(out / "model.safetensors")
+    text = {k: v.contiguous() for k, v in tensors.items()
+            if not k.startswith(("model.vision_model.", "model.vit_large_projector."))}
+    save_file(text, out / "model.safetensors", metadata={"format": "pt"})
+
+
+@dataclass(frozen=True)
+class StepCase:
+    name: str
+    vlm: bool  # the Step-3.7 VLM wrapper (text_config); else a text-only Step-3.5 folder
+
+
+STEP_CASES = [StepCase("step3p5", False), StepCase("step3p7", True)]
+
+
+@pytest.fixture(scope="module", params=STEP_CASES, ids=[c.name for c in STEP_CASES])
+def step(request, tmp_path_factory) -> tuple[StepCase, Path]:
+    case: StepCase = request.param
+    out = tmp_path_factory.mktemp(case.name) / "m"
+    # tiny's model with llama.cpp's attention scale (head_dim ** -0.5: see the refusals).
+    fam = tiny.Family(case.name, lambda: tiny._step3p7(vocab_size=VOCAB, query_pre_attn_scalar=16),
+                      mtp_layout="step3p7", mtp_layers=STEP_MTP,
+                      rewrite=tiny._step_release_layout if case.vlm else _step_text_only)
+    tiny.write_checkpoint(fam, out)
+    tiny.add_mtp_head(out, fam, layers=STEP_MTP)
+    _bpe_tokenizer(out)
+    return case, out
+
+
+def test_step_metadata_matches_what_llama_cpp_expects(step):
+    """The keys and tensors llama.cpp's step35 loader reads, from the release's config:
+    per-layer heads and sliding pattern over all 7 blocks, a theta per layer type, the
+    release's rotary (half on full layers, whole on sliding ones: llama.cpp's defaults, so
+    no dimension_count), clamps, sigmoid routing, three nextn blocks, norms stored as w + 1."""
+    from safetensors.torch import load_file
+
+    _, model = step
+    with open_gguf(_gguf(model, "F32")) as g:
+        md, names = g.metadata, set(g._tensors)
+        attn_norm = g._load("blk.0.attn_norm.weight", None)
+        enorm = g._load("blk.6.nextn.enorm.weight", None)
+        gate = g._load("blk.4.attn_gate.weight", None)
+    s = "step35"
+    assert md["general.architecture"] == s
+    assert md[f"{s}.block_count"] == 4 + STEP_MTP and md[f"{s}.nextn_predict_layers"] == STEP_MTP
+    assert md[f"{s}.attention.head_count"] == [4, 6, 6, 4, 6, 6, 6]
+    assert md[f"{s}.attention.head_count_kv"] == [2] * 7
+    assert md[f"{s}.attention.sliding_window"] == 6
+    assert md[f"{s}.attention.sliding_window_pattern"] == [False, True, True, False] + [True] * 3
+    assert (md[f"{s}.rope.freq_base"], md[f"{s}.rope.freq_base_swa"]) == (50000.0, 10000.0)
+    assert f"{s}.rope.dimension_count" not in md and f"{s}.rope.dimension_count_swa" not in md
+    assert md[f"{s}.attention.key_length"] == md[f"{s}.attention.value_length"] == 16
+    assert [round(x, 4) for x in md[f"{s}.swiglu_clamp_exp"]] == [0, 0, 0, 0.6, 0, 0, 0]
+    assert [round(x, 4) for x in md[f"{s}.swiglu_clamp_shexp"]] == [0.8, 0, 0, 0.5, 0, 0, 0]
+    assert md[f"{s}.expert_gating_func"] == 2 and md[f"{s}.expert_count"] == 8
+    assert md[f"{s}.expert_shared_feed_forward_length"] == 48
+    assert md[f"{s}.expert_weights_scale"] == 2.0 and md[f"{s}.leading_dense_block_count"] == 1
+    for i in range(4, 4 + STEP_MTP):
+        assert {f"blk.{i}.nextn.{k}.weight" for k in (
+            "eh_proj", "enorm", "hnorm", "shared_head_norm")} <= names
+        assert {f"blk.{i}.attn_gate.weight", f"blk.{i}.ffn_up.weight"} <= names
+    assert {"blk.1.ffn_gate_exps.weight", "blk.3.exp_probs_b.bias",
+            "blk.3.ffn_down_shexp.weight"} <= names
+    # The per-layer copies of the trunk's head are left out: llama.cpp falls back to it.
+    assert not any("shared_head_head" in n or "embed_tokens" in n for n in names)
+    assert gate.shape == (6, 64)  # one logit per head of the sliding MTP block
+    folder = load_file(model / "model.safetensors")
+    mtp = load_file(model / "model_mtp.safetensors")
+    key = next(k for k in folder if k.endswith("layers.0.input_layernorm.weight"))
+    torch.testing.assert_close(attn_norm, folder[key] + 1, rtol=0, atol=0)
+    torch.testing.assert_close(enorm, mtp["model.layers.6.enorm.weight"] + 1, rtol=0, atol=0)
+
+
+def test_step_gguf_runs_in_mtpkit_as_its_checkpoint(step):
+    """mtpkit reads its step35 file back (norms less 1, experts stacked as released, the
+    config rebuilt per layer type): logits equal the folder's, and greedy decoding with the
+    three MTP layers gives the folder's tokens and draft counts."""
+    _, model = step
+    path = _gguf(model, "F32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = load_model(model).model, load_model(path).model
+    assert b.mtp is not None and len(b.mtp.layers) == STEP_MTP
+    assert [s.__dict__ for s in b.config.layers + b.config.mtp] == [
+        s.__dict__ for s in a.config.layers + a.config.mtp]
+    ids = torch.tensor([list(range(3, 43))])  # past the sliding window
+    with torch.no_grad():
+        torch.testing.assert_close(b.logits(b(ids).hidden), a.logits(a(ids).hidden),
+                                   rtol=0, atol=1e-5)
+    tok = Tokenizer.from_hf_dir(model)
+    for prompt in PROMPTS[:2]:
+        want, res = _mtpkit_run(model, tok.encode(prompt), 24, STEP_MTP)
+        got, res_gguf = _mtpkit_run(path, tok.encode(prompt), 24, STEP_MTP)
+        assert got == want
+        assert (res_gguf.metrics.num_draft_tokens, res_gguf.metrics.num_accepted_tokens) == (
+            res.metrics.num_draft_tokens, res.metrics.num_accepted_tokens)
+
+
+# A small Step-3.5 config in the release's spelling: a full and two sliding layers, three
+# sliding MTP layers, the release's rotary (half on full layers, whole on sliding ones).
+_STEP_SMALL = {
+    "model_type": "step3p5", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_attention_groups": 2,
+    "head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 16,
+    "layer_types": ["full_attention"] + ["sliding_attention"] * 5,
+    "rope_theta": [5e4, 1e4, 1e4, 1e4, 1e4, 1e4],
+    "partial_rotary_factors": [0.5, 1, 1, 1, 1, 1],
+    "moe_layers_enum": "", "num_nextn_predict_layers": 3,
+}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_head_wise_attn_gate": "elementwise"}, "elementwise"),
+    ({"attention_bias": True}, "no o_proj bias"),
+    ({"query_pre_attn_scalar": 24}, "scales attention scores by head_dim ** -0.5"),
+    ({"rope_theta": [5e4, 1e4, 2e4, 1e4, 1e4, 1e4]},
+     "sliding_attention layers differ in rope_theta"),
+    ({"partial_rotary_factors": [0.5, 1, 0.5, 1, 1, 1]},
+     "sliding_attention layers differ in rotary width"),
+    ({"partial_rotary_factors": [1] * 6}, "rotates half of rope.dimension_count"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                       "original_max_position_embeddings": 64}}, "rope scaling"),
+])
+def test_step_configs_llama_cpp_cannot_run_are_refused(change, message, tmp_path):
+    """Step checkpoints whose step35 GGUF llama.cpp would not load, or would decode otherwise
+    than the checkpoint, get an error naming the reason instead of a file."""
+    from mtpkit.checkpoint.gguf import write_gguf
+
+    cfg = {**_STEP_SMALL, **change}
+    tensors = {f"mtp.layers.{i}.input_layernorm.weight": torch.zeros(64) for i in range(3)}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        write_gguf(tmp_path / "never.gguf", "step35", cfg, tensors)
+    assert list(tmp_path.iterdir()) == []  # no file, not even a temporary one
+
+
+def test_step_config_llama_cpp_runs_otherwise_is_written(tmp_path):
+    """The other side of the refusals: a rotary arrangement that is not the release's but
+    that llama.cpp's per-type keys hold (a quarter of the head on full layers, half on
+    sliding ones) is written with rope.dimension_count(_swa), and read back as it was."""
+    from mtpkit.checkpoint.gguf import write_gguf
+
+    cfg = {**_STEP_SMALL, "partial_rotary_factors": [0.25] + [0.5] * 5}
+    tensors = {f"mtp.layers.{i}.input_layernorm.weight": torch.zeros(64) for i in range(3)}
+    write_gguf(tmp_path / "m.gguf", "step35", cfg, tensors)
+    with open_gguf(tmp_path / "m.gguf") as g:
+        # Full layers rotate half of dimension_count: 2 x 4 = 8; sliding ones 8 too.
+        assert g.metadata["step35.rope.dimension_count"] == 8
+        assert "step35.rope.dimension_count_swa" not in g.metadata
+        rope = g.config["rope_parameters"]
+    assert (rope["full_attention"]["partial_rotary_factor"],
+            rope["sliding_attention"]["partial_rotary_factor"]) == (0.25, 0.5)
+
+
+@needs_server
+@pytest.mark.parametrize("k", [1, 3])
+def test_llama_server_runs_mtpkits_step_gguf_with_all_mtp_layers(step, k):
+    """llama.cpp loads the file with its three nextn blocks, decodes it as mtpkit does, and
+    drafts losslessly, draft step i with MTP layer i as mtpkit does (both chain the state
+    before each norm, as vLLM's Step3p5MTP). At k = 1 (layer 0 only) its drafts and counts
+    are mtpkit's, prompt for prompt. At k = 3 a few drafts differ: llama.cpp catches every
+    MTP layer up on every accepted position with the trunk's states and rebuilds each
+    deeper layer's draft positions, where mtpkit's deeper layers attend only over the
+    positions they drafted at; the accepted counts stay close."""
+    _against_llama_server(step[1], k, exact=k == 1)
+
+
+# Where mtpkit's step35 file may differ from the converter's, and why.
+STEP_CONVERTER_ONLY = CONVERTER_ONLY | {
+    # The config's moe_every_n_layer (1), read by no step35 code of this llama.cpp: it takes
+    # dense or MoE per layer from the tensors a block holds, as mtpkit's reader does.
+    "step35.moe_every_n_layers",
+}
+STEP_MTPKIT_ONLY = {
+    "step35.vocab_size",  # the embedding's rows; llama.cpp counts the token list, as long
+    "tokenizer.ggml.add_bos_token",  # the tokenizer's own setting (False), left out there
+}
+
+
+@needs_converter
+def test_step_metadata_and_tensors_equal_llama_cpps_converter(step, tmp_path):
+    """mtpkit's F32 step35 file of the tiny Step-3.5 / 3.7 (three MTP layers) holds the keys
+    and values llama.cpp's converter writes for the same folder, save the listed ones, and
+    byte-identical tensors, save the converter's per-MTP-layer copies of the lm_head
+    (the release's shared_head.output), which llama.cpp falls back to the trunk's for; and
+    mtpkit runs the converter's file as the folder."""
+    _, model = step
+    ref = _run_converter(model, tmp_path / "ref.gguf", raw_config=True)
+    theirs, their_tensors = _gguf_contents(ref)
+    ours, our_tensors = _gguf_contents(_gguf(model, "F32"))
+    assert set(theirs) - set(ours) == STEP_CONVERTER_ONLY
+    assert set(ours) - set(theirs) == STEP_MTPKIT_ONLY
+    assert {k for k in set(ours) & set(theirs) if ours[k] != theirs[k]} == set()
+    copies = {f"blk.{4 + i}.nextn.shared_head_head.weight" for i in range(STEP_MTP)}
+    assert set(their_tensors) - set(our_tensors) == copies
+    assert set(our_tensors) <= set(their_tensors)
+    assert [n for n in our_tensors if our_tensors[n] != their_tensors[n]] == []
+    # mtpkit reads the converter's file as well (the lm_head copies skipped).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = load_model(model).model, load_model(ref).model
+    assert len(b.mtp.layers) == STEP_MTP
+    ids = torch.tensor([list(range(3, 43))])
+    with torch.no_grad():
+        torch.testing.assert_close(b.logits(b(ids).hidden), a.logits(a(ids).hidden),
+                                   rtol=0, atol=1e-5)
+
+
+@needs_server
+@pytest.mark.parametrize("qtype, mtp, head_type", [("F16", "same", "F16"),
+                                                   ("Q4_0", "w8a16", "Q8_0")])
+def test_llama_server_runs_quantized_step_gguf_losslessly(step, qtype, mtp, head_type):
+    """Quantized step35 files load, all three MTP layers stored as --mtp asks, and draft
+    losslessly at k = 3 in llama.cpp (compared with its own plain decoding)."""
+    heads = [f"blk.{4 + i}.{t}.weight" for i in range(STEP_MTP)
+             for t in ("nextn.eh_proj", "attn_q", "ffn_down")]
+    _quantized_lossless(step[1], qtype, mtp, head_type, heads, STEP_MTP)
+
+
+# ---------------------------------------------------------------------------------------------
+# MiMo-V2-Flash (mimo2): hybrid sliding / full attention with sinks and scaled values, MoE
+# with group-limited sigmoid routing, three MTP layers, in the release's config spelling.
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mimo_v2_flash") / "m"
+    # tiny's model with routed weights unscaled (llama.cpp's mimo2 reads no scale: refused).
+    fam = tiny.Family("mimo_v2_flash", lambda: tiny._mimo_v2_flash(
+        vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, routed_scaling_factor=1.0),
+        mtp_layout="mimo_v2", mtp_layers=3, rewrite=tiny._mimo_release_layout)
+    tiny.write_checkpoint(fam, out)
+    tiny.add_mtp_head(out, fam, layers=3)
+    _bpe_tokenizer(out)
+    return out
+
+
+def test_mimo_metadata_matches_what_llama_cpp_expects(mimo):
+    """The keys and tensors llama.cpp's mimo2 loader and MTP graph read: KV heads per block
+    (sliding ones twice the full ones', MTP blocks sliding), q/k and v widths, one rotary
+    width, a theta per layer type, value scale, group-limited sigmoid routing, and each MTP
+    block's q, k and v fused into attn_qkv (the trunk's stay apart, as the converter
+    writes them)."""
+    with open_gguf(_gguf(mimo, "F32")) as g:
+        md, names = g.metadata, set(g._tensors)
+        qkv = g._load("blk.5.attn_qkv.weight", None)
+    a = "mimo2"
+    assert md[f"{a}.block_count"] == 7 and md[f"{a}.nextn_predict_layers"] == 3
+    assert md[f"{a}.attention.head_count"] == 4
+    assert md[f"{a}.attention.head_count_kv"] == [1, 2, 2, 1, 2, 2, 2]
+    assert md[f"{a}.attention.sliding_window_pattern"] == [0, 1, 1, 0, 1, 1, 1]
+    assert (md[f"{a}.attention.key_length"], md[f"{a}.attention.value_length"]) == (24, 16)
+    assert md[f"{a}.rope.dimension_count"] == 8  # int(24 x 0.334)
+    assert (md[f"{a}.rope.freq_base"], md[f"{a}.rope.freq_base_swa"]) == (50000.0, 10000.0)
+    assert md[f"{a}.attention.value_scale"] == 0.707
+    assert (md[f"{a}.expert_group_count"], md[f"{a}.expert_group_used_count"]) == (2, 1)
+    assert md[f"{a}.expert_gating_func"] == 2
+    for i in range(4, 7):
+        assert {f"blk.{i}.nextn.{k}.weight" for k in ("eh_proj", "enorm", "hnorm")} <= names
+        assert {f"blk.{i}.attn_qkv.weight", f"blk.{i}.layer_output_norm.weight",
+                f"blk.{i}.attn_sinks.weight", f"blk.{i}.ffn_up.weight"} <= names
+        assert f"blk.{i}.attn_q.weight" not in names
+    assert "blk.1.attn_q.weight" in names and "blk.1.attn_qkv.weight" not in names
+    assert "blk.1.attn_sinks.weight" in names and "blk.0.attn_sinks.weight" not in names
+    assert qkv.shape == (4 * 24 + 2 * 24 + 2 * 16, 64)
+
+
+def test_mimo_gguf_runs_in_mtpkit_as_its_checkpoint(mimo):
+    """mtpkit reads its mimo2 file back (attn_qkv split again, the release's names): logits
+    equal the folder's, and greedy decoding with the three MTP layers gives its tokens and
+    draft counts."""
+    path = _gguf(mimo, "F32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = load_model(mimo).model, load_model(path).model
+    assert b.mtp is not None and len(b.mtp.layers) == 3
+    assert (b.config.full, b.config.sliding) == (a.config.full, a.config.sliding)
+    ids = torch.tensor([list(range(3, 43))])
+    with torch.no_grad():
+        torch.testing.assert_close(b.logits(b(ids).hidden), a.logits(a(ids).hidden),
+                                   rtol=0, atol=1e-5)
+    tok = Tokenizer.from_hf_dir(mimo)
+    for prompt in PROMPTS[:2]:
+        want, res = _mtpkit_run(mimo, tok.encode(prompt), 24, 3)
+        got, res_gguf = _mtpkit_run(path, tok.encode(prompt), 24, 3)
+        assert got == want
+        assert (res_gguf.metrics.num_draft_tokens, res_gguf.metrics.num_accepted_tokens) == (
+            res.metrics.num_draft_tokens, res.metrics.num_accepted_tokens)
+
+
+_MIMO_SMALL = {
+    "model_type": "mimo_v2_flash", "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 24, "v_head_dim": 16, "sliding_window": 6,
+    "hybrid_layer_pattern": [0, 1], "moe_layer_freq": [0, 0], "partial_rotary_factor": 0.334,
+    "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 3,
+}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"routed_scaling_factor": 2.5}, "reads no expert weights scale"),
+    ({"norm_topk_prob": False}, "always renormalises"),
+    ({"swa_head_dim": 32}, "differ in head_dim"),
+    ({"swa_v_head_dim": 24}, "differ in v_head_dim"),
+    ({"rope_parameters": {"sliding_attention": {"partial_rotary_factor": 0.5}}},
+     "differ in rotary width"),
+    ({"attention_bias": True}, "adds no q/k/v biases"),
+])
+def test_mimo_configs_llama_cpp_cannot_run_are_refused(change, message, tmp_path):
+    """MiMo checkpoints whose mimo2 GGUF llama.cpp would not load, or would decode otherwise
+    than the checkpoint, get an error naming the reason instead of a file."""
+    from mtpkit.checkpoint.gguf import write_gguf
+
+    cfg = {**_MIMO_SMALL, **change}
+    tensors = {f"mtp.layers.{i}.input_layernorm.weight": torch.ones(64) for i in range(3)}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        write_gguf(tmp_path / "never.gguf", "mimo2", cfg, tensors)
+    assert list(tmp_path.iterdir()) == []  # no file, not even a temporary one
+
+
+@needs_server
+@pytest.mark.parametrize("k", [1, 3])
+def test_llama_server_runs_mtpkits_mimo_gguf_with_all_mtp_layers(mimo, k):
+    """llama.cpp loads the file (its MTP graph needs the fused attn_qkv), decodes it as
+    mtpkit does, and drafts losslessly with the MTP layers. Counts are not compared:
+    llama.cpp feeds the MTP layers the trunk's state before its final norm and chains each
+    layer's output before final_layernorm, where mtpkit (as vLLM) feeds and chains the normed
+    states, so its drafts are its own."""
+    _against_llama_server(mimo, k, counts=False)
+
+
+# The converter takes a bos id from config.json where the tokenizer names none (mtpkit
+# writes the tokenizer's, with add_bos_token false either way).
+MIMO_CONVERTER_ONLY = CONVERTER_ONLY | {"tokenizer.ggml.bos_token_id"}
+MIMO_MTPKIT_ONLY = {"mimo2.vocab_size", "tokenizer.ggml.add_bos_token"}
+
+
+@needs_converter
+def test_mimo_metadata_and_tensors_equal_llama_cpps_converter(mimo, tmp_path):
+    """mtpkit's F32 mimo2 file holds the keys and byte-identical tensors llama.cpp's
+    converter writes for the same folder, save: the MTP blocks' attention, fused into
+    attn_qkv by mtpkit where the converter copies q/k/v apart (a tiny checkpoint stores them
+    apart; llama.cpp's MTP graph asserts the fused one, so the converter's file would stop
+    at the first draft); and mtpkit runs the converter's file as the folder."""
+    ref = _run_converter(mimo, tmp_path / "ref.gguf", raw_config=True)
+    theirs, their_tensors = _gguf_contents(ref)
+    ours, our_tensors = _gguf_contents(_gguf(mimo, "F32"))
+    assert set(theirs) - set(ours) == MIMO_CONVERTER_ONLY
+    assert set(ours) - set(theirs) == MIMO_MTPKIT_ONLY
+    assert {k for k in set(ours) & set(theirs) if ours[k] != theirs[k]} == set()
+    fused = {f"blk.{i}.attn_qkv.weight" for i in range(4, 7)}
+    apart = {f"blk.{i}.attn_{p}.weight" for i in range(4, 7) for p in "qkv"}
+    assert set(our_tensors) - set(their_tensors) == fused
+    assert set(their_tensors) - set(our_tensors) == apart
+    assert [n for n in set(our_tensors) - fused if our_tensors[n] != their_tensors[n]] == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = load_model(mimo).model, load_model(ref).model
+    ids = torch.tensor([list(range(3, 43))])
+    with torch.no_grad():
+        torch.testing.assert_close(b.logits(b(ids).hidden), a.logits(a(ids).hidden),
+                                   rtol=0, atol=1e-5)
+    # The MTP blocks too: the fused rows are the converter's q, k and v, stacked.
+    for i in range(4, 7):
+        with open_gguf(ref) as g:
+            parts = [g._load(f"blk.{i}.attn_{p}.weight", None) for p in "qkv"]
+        with open_gguf(_gguf(mimo, "F32")) as g:
+            torch.testing.assert_close(g._load(f"blk.{i}.attn_qkv.weight", None),
+                                       torch.cat(parts), rtol=0, atol=0)
+
+
+@needs_server
+def test_llama_server_runs_quantized_mimo_gguf_losslessly(mimo):
+    """A Q4_0 mimo2 file with its three MTP blocks in Q8_0 (w8a16) loads and drafts
+    losslessly at k = 3 in llama.cpp (compared with its own plain decoding)."""
+    heads = [f"blk.{i}.{t}.weight" for i in range(4, 7) for t in ("nextn.eh_proj", "attn_qkv")]
+    _quantized_lossless(mimo, "Q4_0", "w8a16", "Q8_0", heads, 3)

@@ -193,7 +193,7 @@ def _glm_moe_dsa(**kw):
     return model
 
 
-def _mimo_v2_flash():
+def _mimo_v2_flash(**over):
     from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
     # A window of 6 inside the tests' 40 tokens, full and sliding layers (twice the KV heads,
@@ -203,7 +203,7 @@ def _mimo_v2_flash():
                                "partial_rotary_factor": 0.334},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
                                   "partial_rotary_factor": 0.334}}
-    cfg = MiMoV2FlashConfig(
+    args = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=1, head_dim=24, v_head_dim=16,
         max_position_embeddings=128, sliding_window=6, moe_intermediate_size=32,
@@ -213,15 +213,49 @@ def _mimo_v2_flash():
                      "full_attention"],
         mlp_layer_types=["dense", "sparse", "dense", "sparse"], rope_parameters=rope,
     )
+    cfg = MiMoV2FlashConfig(**{**args, **over})  # over: other tests' variants
     model = MiMoV2FlashForCausalLM(cfg)
     _randomize_router_bias(model)
     return model
 
 
+def mimo_release_config(cfg: dict) -> dict:
+    """A MiMo-V2-Flash config.json as transformers writes it, in the release's own spelling
+    (what llama.cpp's converter reads): hybrid_layer_pattern (1: sliding), moe_layer_freq,
+    the swa_* head counts, widths and theta, layernorm_epsilon, the sink flags."""
+    rope = cfg["rope_parameters"]
+    full, swa = rope["full_attention"], rope["sliding_attention"]
+    return {
+        "model_type": cfg["model_type"], "architectures": cfg["architectures"],
+        **{k: cfg[k] for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "v_head_dim",
+            "max_position_embeddings", "sliding_window", "attention_value_scale",
+            "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
+            "topk_group", "routed_scaling_factor", "norm_topk_prob", "tie_word_embeddings",
+            "hidden_act", "attention_bias", "bos_token_id", "eos_token_id")},
+        "swa_num_attention_heads": cfg["num_attention_heads"],
+        "swa_num_key_value_heads": 2 * cfg["num_key_value_heads"],
+        "swa_head_dim": cfg["head_dim"], "swa_v_head_dim": cfg["v_head_dim"],
+        "hybrid_layer_pattern": [int(t == "sliding_attention") for t in cfg["layer_types"]],
+        "moe_layer_freq": [int(t == "sparse") for t in cfg["mlp_layer_types"]],
+        "rope_theta": full["rope_theta"], "swa_rope_theta": swa["rope_theta"],
+        "partial_rotary_factor": full["partial_rotary_factor"],
+        "layernorm_epsilon": cfg["rms_norm_eps"],
+        "add_full_attention_sink_bias": False, "add_swa_attention_sink_bias": True,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    }
+
+
+def _mimo_release_layout(out: Path) -> None:
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(mimo_release_config(cfg), indent=2))
+
+
 STEP_MTP_LAYERS = 3
 
 
-def _step3p7():
+def _step3p7(**over):
     from transformers import Step3p7Config, Step3p7ForConditionalGeneration
 
     # Full and sliding layers (a window of 6, more query heads on sliding layers, their own
@@ -242,6 +276,7 @@ def _step3p7():
         partial_rotary_factors=[0.5, 1.0, 1.0, 0.5],
         swiglu_limits=[0, 0, 0, 0.6], swiglu_limits_shared=[0.8, 0, 0, 0.5],
     )
+    text.update(over)  # other tests' variants of the same model
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                   num_attention_heads=2, image_size=28, patch_size=14)
     cfg = Step3p7Config(text_config=text, vision_config=vision, tie_word_embeddings=False)

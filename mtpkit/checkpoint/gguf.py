@@ -13,6 +13,8 @@ each change, so that ``get_tensor`` returns what the HF safetensors file holds, 
   linear-attention value heads from grouped-by-key-head to tiled when there are more value
   heads than key heads;
 - ``glm4moe`` / ``deepseek2`` (DeepSeek-style MoE, MLA): see ``gguf_moe``;
+- ``step35`` (Step-3.5 / 3.7-Flash) and ``mimo2`` (MiMo-V2-Flash), three MTP layers each:
+  see ``gguf_step``;
 - MTP heads live in blocks ``n .. n + k - 1`` (``n = block_count - nextn_predict_layers``) as
   ``blk.N.nextn.*`` plus an ordinary decoder block. They read back as DeepSeek-style
   ``model.layers.N.*`` names, or as the ``mtp.*`` layout for qwen3next / qwen35.
@@ -38,7 +40,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
 
 from ..outputs import publish_modes
-from . import gguf_moe
+from . import gguf_moe, gguf_step
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -61,6 +63,8 @@ _ARCHS = {
         "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
         # GLM-4.7-Flash files too: the same model as DeepSeek-V3's, whatever the release.
         "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+        "step35": ("step3p5", "Step3p5ForCausalLM"),
+        "mimo2": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     }.items()
     if arch in _KNOWN_ARCHS
 }
@@ -118,7 +122,7 @@ _NEXTN = {
 _NEXTN_BY_HF = {ds: key for key, (ds, _) in _NEXTN.items()}
 _NEXTN_BY_MTP = {mtp: key for key, (_, mtp) in _NEXTN.items() if mtp}
 # Archs whose files carry MTP layers as blk.N.nextn.* (llama.cpp runs them with draft-mtp).
-_NEXTN_ARCHS = _QWEN_NEXT | gguf_moe.MOE_ARCHS
+_NEXTN_ARCHS = _QWEN_NEXT | gguf_moe.MOE_ARCHS | gguf_step.STEP_ARCHS | gguf_step.MIMO_ARCHS
 
 # qtype name -> file type written to general.file_type (llama.cpp shows it in its logs).
 _FILE_TYPES = {
@@ -400,6 +404,15 @@ class GGUFCheckpoint:
                 cfg[field] = int(self.metadata[key])
         if self.arch in _QWEN_NEXT:
             cfg.update(self._qwen_next_config())
+        if self.arch in gguf_step.STEP_ARCHS | gguf_step.MIMO_ARCHS:
+            for key in ("num_key_value_heads", "rope_theta"):
+                cfg.pop(key, None)  # per layer type: read_config's
+            read = (gguf_step.read_config if self.arch in gguf_step.STEP_ARCHS
+                    else gguf_step.read_mimo_config)
+            try:
+                cfg.update(read(md, self.n_layer, self.n_nextn, self._tensors.__contains__))
+            except ValueError as e:
+                raise CheckpointError(f"{self.path}: {e}") from e
         if self.arch in gguf_moe.MOE_ARCHS:
             try:
                 cfg.update(gguf_moe.read_config(self.arch, md, self._tensors.__contains__))
@@ -479,6 +492,21 @@ class GGUFCheckpoint:
         qwen_next = arch in _QWEN_NEXT
         block = {**_BLOCK, **gguf_moe.READ_BLOCK} if arch in gguf_moe.MOE_ARCHS else _BLOCK
         for gname, rt in self._tensors.items():
+            if arch in gguf_step.STEP_ARCHS:
+                named = gguf_step.read_name(gname, n_layer)
+                if named is None:
+                    index[gname] = _Entry((gname,))
+                else:
+                    index[named[0]] = _Entry((gname,), fn=named[1])
+                continue
+            if arch in gguf_step.MIMO_ARCHS:
+                n_experts = int(rt.shape[-1]) if len(rt.shape) == 3 else 0
+                named = gguf_step.read_mimo_names(gname, n_layer, self._md, n_experts)
+                for hf, e, fn in named:
+                    index[hf] = _Entry((gname,), index=e, fn=fn)
+                if not named:
+                    index[gname] = _Entry((gname,))
+                continue
             stem, suffix = _split_suffix(gname)
             if stem in _GLOBAL:
                 fn = _value_transform(arch, stem, suffix, heads, lin, to_gguf=False)
@@ -725,6 +753,7 @@ class _Renamer:
         self.tmap = gguf.get_tensor_name_map(_arch_enum(arch), n_layer + n_mtp)
         self.hf_block = {hf: base for base, hf in _BLOCK.items() if base != "post_attention_norm"}
         self.experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        self.mimo = gguf_step.MimoRenamer(n_layer) if arch in gguf_step.MIMO_ARCHS else None
 
     def block_name(self, hf_name: str) -> str:
         """HF name -> GGUF name, for one tensor that maps one-to-one."""
@@ -756,12 +785,16 @@ class _Renamer:
 
     def convert(self, hf_name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The GGUF tensors one HF tensor becomes (experts are gathered until ``finish``)."""
+        if self.arch in gguf_step.STEP_ARCHS:
+            return gguf_step.convert(hf_name, t, self.n_layer)
         qwen_next = self.arch in _QWEN_NEXT
         m = _EXPERT_RE.fullmatch(hf_name)
         if m:
             bid = int(m.group(1)) + (self.n_layer if hf_name.startswith("mtp.") else 0)
             self.experts.setdefault((bid, m.group(3)), {})[int(m.group(2))] = t
             return []
+        if self.mimo is not None:
+            return self.mimo.convert(hf_name, t)
         stem, suffix = _split_suffix(hf_name)
         if qwen_next and stem in _NEXTN_BY_MTP:
             key = _NEXTN_BY_MTP[stem]
@@ -809,6 +842,8 @@ class _Renamer:
 
     def finish(self) -> list[tuple[str, torch.Tensor]]:
         """The stacked expert tensors, [expert, out, in] per projection."""
+        if self.mimo is not None:
+            self.mimo.finish()
         by_proj = {proj: base for base, proj in _EXPERTS.items()}
         out = []
         for (bid, proj), experts in sorted(self.experts.items()):
@@ -848,6 +883,12 @@ def _partial_rotary(cfg: dict, default: float | None = 1.0) -> float | None:
 def _write_metadata(
     w: GGUFWriter, arch: str, cfg: dict, n_layer: int, n_mtp: int, vocab_size: int | None
 ) -> None:
+    if arch in gguf_step.STEP_ARCHS:
+        gguf_step.write_metadata(w, cfg, n_layer, n_mtp, vocab_size)
+        return
+    if arch in gguf_step.MIMO_ARCHS:
+        gguf_step.write_mimo_metadata(w, cfg, n_layer, n_mtp, vocab_size)
+        return
     heads = int(cfg["num_attention_heads"])
     hidden = cfg.get("hidden_size")
     head_dim = cfg.get("head_dim") or (hidden // heads if hidden else None)
@@ -1046,6 +1087,9 @@ def arch_for_model_type(model_type: str) -> str:
             return arch
     if model_type in gguf_moe.MOE_MODEL_TYPES:
         return gguf_moe.MOE_MODEL_TYPES[model_type]
-    known = sorted({mt for mt, _ in _ARCHS.values()} | set(gguf_moe.MOE_MODEL_TYPES))
+    if model_type in gguf_step.STEP_MODEL_TYPES:
+        return gguf_step.STEP_MODEL_TYPES[model_type]
+    known = sorted({mt for mt, _ in _ARCHS.values()} | set(gguf_moe.MOE_MODEL_TYPES)
+                   | set(gguf_step.STEP_MODEL_TYPES))
     raise ValueError(f"no GGUF architecture for model_type {model_type!r}; GGUF output "
                      f"supports {', '.join(known)}")
