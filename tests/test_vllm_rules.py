@@ -789,6 +789,31 @@ def test_step_runtime_names():
     assert vllm_mtp_class("step3p7") == vllm_mtp_class("step3p5") == "Step3p5MTP"
 
 
+# SGLang's Step, read from sgl-project/sglang's step3p5.py (Step3p5DecoderLayer: the MoE
+# under the prefix "mlp", share_expert at its on-disk name, g_proj and the router built
+# without a quantization config, no packed_modules_mapping) and step3p5_mtp.py (Step3p5MTP:
+# one draft model a layer, draft_model_idx, its modules at model.enorm / hnorm / eh_proj (a
+# plain nn.Linear) / shared_head.head, its block at model.mtp_block).
+def test_step_runtime_names_in_sglang():
+    from mtpkit.checkpoint.runtime_names import describe
+
+    cfg = {**STEP_CFG, "text_config": {**STEP_CFG["text_config"], "moe_num_experts": 8}}
+
+    def rt(name):
+        return describe(name, "step3p7", "sglang", config=cfg)
+
+    q = rt("model.layers.5.self_attn.q_proj")
+    assert (q.name, q.shards, q.mtp) == ("model.mtp_block.self_attn.qkv_proj", (), True)
+    assert rt("model.layers.6.transformer.shared_head.output").name == "model.shared_head.head"
+    assert not rt("model.layers.4.eh_proj").quantizable
+    assert not rt("model.layers.0.self_attn.g_proj").quantizable
+    assert rt("model.layers.1.share_expert.up_proj").name \
+        == "model.layers.1.share_expert.gate_up_proj"
+    experts = rt("model.layers.1.moe.down_proj")
+    assert experts.name == "model.layers.1.mlp.experts" and len(experts.shards) == 8 * 3
+    assert rt("model.layers.0.mlp.up_proj").name == "model.layers.0.mlp.gate_up_proj"
+
+
 @pytest.fixture(scope="module")
 def step(checkpoint_factory):
     return checkpoint_factory("step3p7")
@@ -814,6 +839,35 @@ def test_step_quantize_lists_what_vllm_builds(step, tmp_path, mtp):
     rep = diagnose(out, ["vllm"])
     assert rep.facts["mtp_layers_stored"] == 3
     assert not rep.codes() & _DOCTOR_BAD, rep.to_json()
+
+
+def test_step_g_proj_stays_float_for_sglang(step):
+    from mtpkit.quant.quantize import _Layout, open_checkpoint
+
+    layout = _Layout(open_checkpoint(step))
+    # SGLang builds it without a quantization config, vLLM with one: kept float for both
+    assert layout.never_quantized("model.layers.0.self_attn.g_proj")
+    assert not layout.never_quantized("model.layers.0.self_attn.q_proj")
+
+
+def test_step_sglang_needs_its_own_mtp_names(step, tmp_path):
+    out = tmp_path / "q"
+    quantize_checkpoint(step, out, Scheme("w8a16"), mtp="keep")
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {"model.mtp_block.self_attn.qkv_proj", "model.mtp_block.mlp.gate_up_proj"} \
+        <= set(ignore)
+    assert not diagnose(out, ["sglang"]).codes() & _DOCTOR_BAD
+    bad = _with_ignore(out, tmp_path / "bad",
+                       lambda ignore: [e for e in ignore if not e.startswith("model.mtp_block.")])
+    rep = diagnose(bad, ["sglang"])
+    found = {f.code: f.what for f in rep.findings}
+    assert "built as model.mtp_block.self_attn.o_proj" in found["mtp-unquantized-not-ignored"]
+    # the on-disk shards do not reach SGLang's fused modules (no packed-modules mapping)
+    assert "-> model.mtp_block.self_attn.qkv_proj" in found["ignore-shards-not-fused"]
+    assert rep.exit_code == 2
+    assert "mtp-unquantized-not-ignored" not in diagnose(bad, ["vllm"]).codes()
+    fixed = fix_config(bad, tmp_path / "fixed").out
+    assert "mtp-unquantized-not-ignored" not in diagnose(fixed, ["sglang"]).codes()
 
 
 def test_step_ignore_list_without_mtp_block_names(step, tmp_path):

@@ -313,7 +313,7 @@ def _num_layers(config: dict | None) -> int | None:
 
 
 def _num_experts(config: dict | None) -> int | None:
-    for key in ("n_routed_experts", "num_experts"):
+    for key in ("n_routed_experts", "num_experts", "moe_num_experts"):
         n = _cfg(config, key)
         if n:
             return int(n)
@@ -420,9 +420,8 @@ def describe(
             )
         mtp = True
         name = f"model.layers.{n_layer + int(m[1])}.{m[2]}"
-    elif engine == "vllm" and mt in _STEP and (m := re.match(r"model\.layers\.(\d+)\.(.+)$",
-                                                              name)):
-        return _describe_step(name, int(m[1]), m[2], n_layer, model_type, config)
+    elif mt in _STEP and (m := re.match(r"model\.layers\.(\d+)\.(.+)$", name)):
+        return _describe_step(engine, int(m[1]), m[2], n_layer, config)
     elif m := re.match(r"model\.layers\.(\d+)\.(.+)$", name):
         rest = m[2]
         deep = n_layer is not None and int(m[1]) >= n_layer
@@ -480,38 +479,53 @@ def describe(
     return RuntimeModule(name, (), True, mtp)
 
 
-def _describe_step(name: str, layer: int, rest: str, n_layer: int | None,
-                   model_type: str | None, config: dict | None) -> RuntimeModule:
-    """vLLM's Step3p5ForCausalLM / Step3p5MTP module for model.layers.{layer}.{rest}."""
+def _describe_step(engine: str, layer: int, rest: str, n_layer: int | None,
+                   config: dict | None) -> RuntimeModule:
+    """The Step-3.5/3.7 module vLLM or SGLang builds for model.layers.{layer}.{rest}."""
     mtp = n_layer is not None and layer >= n_layer
+    sglang = engine == "sglang"
     if mtp:
         rest = rest.removeprefix("transformer.")
-        own = rest.split(".")[0] in _STEP_OWN
+        # vLLM keeps each layer's prefix; SGLang builds one draft model per layer, each
+        # with its modules at model.* and its block at model.mtp_block.
+        at = "model." if sglang else f"model.layers.{layer}."
         if rest == "shared_head.output":
-            return RuntimeModule(f"model.layers.{layer}.shared_head.head", (), True, True,
-                                 kind="head")
-        if rest == "eh_proj":  # a ReplicatedLinear given the quantization config
-            return RuntimeModule(f"model.layers.{layer}.eh_proj", (), True, True)
-        base = f"model.layers.{layer}." if own else f"model.layers.{layer}.mtp_block."
+            return RuntimeModule(f"{at}shared_head.head", (), True, True, kind="head")
+        if rest == "eh_proj":  # vLLM: a ReplicatedLinear given the config; SGLang: nn.Linear
+            return RuntimeModule(f"{at}eh_proj", (), not sglang, True,
+                                 kind="never" if sglang else "linear")
+        base = at if rest.split(".")[0] in _STEP_OWN else f"{at}mtp_block."
     else:
         base = f"model.layers.{layer}."
-        rest = rest.replace("share_expert.", "moe.share_expert.", 1) \
-            if rest.startswith("share_expert.") else rest
+        if re.match(r"moe\.(gate_proj|up_proj|down_proj)$", rest):
+            # Stacked [E, ...] experts: one fused-MoE module a layer (SGLang's under "mlp").
+            experts = f"{base}{'mlp' if sglang else 'moe'}.experts"
+            if sglang:  # as for every family: each expert's three names
+                count = _num_experts(config) or 1
+                shards = tuple(f"{experts}.{e}.{p}" for e in range(count)
+                               for p in _EXPERT_PROJS)
+            else:
+                shards = expert_probe_names(experts)
+            return RuntimeModule(experts, shards, True, False, fused=True, kind="experts")
+        if sglang:
+            rest = re.sub(r"^moe\.", "mlp.", rest)  # Step3p5MoEMLP's prefix is "mlp"
+        elif rest.startswith("share_expert."):
+            rest = "moe." + rest  # vLLM's hf_to_vllm_mapper
     name = base + rest
-    if m := re.match(r"(.+\.moe)\.(gate_proj|up_proj|down_proj)$", name):
-        # Stacked [E, ...] experts: one FusedMoE, decided by its expert 0's names.
-        experts = f"{m[1]}.experts"
-        return RuntimeModule(experts, expert_probe_names(experts), True, mtp, fused=True,
-                             kind="experts")
+    if sglang and name.endswith(".self_attn.g_proj"):
+        # a ColumnParallelLinear built without the quantization config
+        return RuntimeModule(name, (), False, mtp, kind="never")
     kind = _leaf_kind(name)
     if kind != "linear":
         return RuntimeModule(name, (), kind != "never", mtp, kind=kind)
     prefix, _, leaf = name.rpartition(".")
     for fused, shard_leaves in _BASE_FUSIONS.items():
         if leaf in shard_leaves:
-            return RuntimeModule(f"{prefix}.{fused}",
-                                 tuple(f"{prefix}.{s}" for s in shard_leaves), True, mtp,
-                                 fused=True, kind="fused")
+            # SGLang's Step classes declare no packed-modules mapping: only the fused name
+            # excludes a fused module.
+            shards = () if sglang else tuple(f"{prefix}.{s}" for s in shard_leaves)
+            return RuntimeModule(f"{prefix}.{fused}", shards, True, mtp, fused=True,
+                                 kind="fused")
     return RuntimeModule(name, (), True, mtp)
 
 

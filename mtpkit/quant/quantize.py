@@ -279,13 +279,16 @@ class _Layout:
         return prefix if kind in ("linear", "head") else None
 
     def never_quantized(self, prefix: str) -> bool:
-        """A module vLLM builds without a quantization config (describe(...).quantizable is
-        False: eh_proj, routers, GLM-5's indexer wk / weights_proj), which it therefore
-        loads only from float weights."""
+        """A module vLLM or SGLang builds without a quantization config (describe(...)
+        .quantizable is False: eh_proj, routers, GLM-5's indexer wk / weights_proj, Step's
+        g_proj in SGLang), which that engine therefore loads only from float weights: kept
+        float, one checkpoint serves both."""
         from ..checkpoint.runtime_names import describe
 
         try:
-            return not describe(prefix, self.raw_model_type, config=self.raw).quantizable
+            return any(not describe(prefix, self.raw_model_type, engine,
+                                    config=self.raw).quantizable
+                       for engine in ("vllm", "sglang"))
         except ValueError:
             return False
 
