@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import os
 import threading
@@ -228,6 +229,7 @@ def compute(fn, *args, **kwargs):
     return _executor().submit(fn, *args, **kwargs).result()
 
 
+@functools.cache
 def _openmp():
     """The OpenMP runtime torch loaded (ctypes handle), or None where none can be found."""
     for name in ("libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib"):

@@ -593,13 +593,11 @@ def to_mimo_v2_layout(tensors: dict) -> dict:
     return out
 
 
-def to_step_layout(tensors: dict, n_layers: int, model) -> dict:
-    """mtp.* head tensors -> Step's model.layers.{n_layers + i}.* (enorm, hnorm, eh_proj,
-    transformer.shared_head.{norm, output}, the block's own names), as released."""
+def _layers_after_trunk(tensors: dict, n_layers: int, own: dict, what: str) -> tuple[dict, int]:
+    """mtp.* head tensors -> model.layers.{n_layers + i}.*, layer i's own modules (mtp.* for
+    i = 0, mtp.per_layer.{i}.* after) renamed by ``own``; (tensors, number of layers)."""
     import re
 
-    own = {"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "fc": "eh_proj",
-           "norm": "transformer.shared_head.norm"}
     out, count = {}, 0
     for k, v in tensors.items():
         m = re.fullmatch(r"mtp\.(?:per_layer\.(\d+)\.)?(\w+)\.weight", k)
@@ -609,9 +607,19 @@ def to_step_layout(tensors: dict, n_layers: int, model) -> dict:
         elif block:
             i, name = int(block[1]), block[2]
         else:
-            raise ValueError(f"no Step name for {k}")
+            raise ValueError(f"no {what} name for {k}")
         out[f"model.layers.{n_layers + i}.{name}"] = v
         count = max(count, i + 1)
+    return out, count
+
+
+def to_step_layout(tensors: dict, n_layers: int, model) -> dict:
+    """mtp.* head tensors -> Step's model.layers.{n_layers + i}.* (enorm, hnorm, eh_proj,
+    transformer.shared_head.{norm, output}, the block's own names), as released."""
+
+    own = {"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "fc": "eh_proj",
+           "norm": "transformer.shared_head.norm"}
+    out, count = _layers_after_trunk(tensors, n_layers, own, "Step")
     for i in range(count):
         out[f"model.layers.{n_layers + i}.transformer.shared_head.output.weight"] = (
             model.lm_head.weight.detach().clone())
@@ -622,23 +630,11 @@ def to_deepseek_layout(tensors: dict, n_layers: int, model) -> dict:
     """mtp.* head tensors -> model.layers.{n_layers + i}.* names, with the optional copies of
     the trunk's lm_head and embedding that DeepSeek-V3 / GLM releases carry in each MTP
     layer (layer i's own modules: mtp.* for i = 0, mtp.per_layer.{i}.* after)."""
-    import re
 
     from mtpkit.models.mtp import NEXTN_NAMES
 
     by_mtp = {new: old for old, new in NEXTN_NAMES.items()}
-    out, count = {}, 0
-    for k, v in tensors.items():
-        own = re.fullmatch(r"mtp\.(?:per_layer\.(\d+)\.)?(\w+)\.weight", k)
-        block = re.match(r"mtp\.layers\.(\d+)\.(.+)", k)
-        if own and own[2] in by_mtp:
-            i, name = int(own[1] or 0), f"{by_mtp[own[2]]}.weight"
-        elif block:
-            i, name = int(block[1]), block[2]
-        else:
-            raise ValueError(f"no DeepSeek-style name for {k}")
-        out[f"model.layers.{n_layers + i}.{name}"] = v
-        count = max(count, i + 1)
+    out, count = _layers_after_trunk(tensors, n_layers, by_mtp, "DeepSeek-style")
     for i in range(count):
         prefix = f"model.layers.{n_layers + i}."
         out[prefix + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()

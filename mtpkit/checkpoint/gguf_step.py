@@ -28,6 +28,8 @@ What llama.cpp's loader reads (src/models/step35.cpp) and its converter writes
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,13 +129,7 @@ def write_metadata(w: GGUFWriter, cfg: dict, n_layer: int, n_mtp: int,
                          f"{len(s.mtp)}; their attention and MLP kinds are unknown")
     check(s, n_mtp)
     layers = s.layers + s.mtp[:n_mtp]
-    w.add_block_count(n_layer + n_mtp)
-    if n_mtp:
-        w.add_nextn_predict_layers(n_mtp)
-    w.add_context_length(int(s.max_position_embeddings))
-    w.add_embedding_length(s.hidden_size)
-    if s.intermediate_size:
-        w.add_feed_forward_length(s.intermediate_size)
+    _write_sizes(w, s, n_layer, n_mtp)
     w.add_head_count([x.heads for x in layers])
     w.add_head_count_kv([s.num_key_value_heads] * len(layers))
     w.add_key_length(s.head_dim)
@@ -175,13 +171,29 @@ def write_metadata(w: GGUFWriter, cfg: dict, n_layer: int, n_mtp: int,
         w.add_swiglu_clamp_shexp([x.shared_limit or 0.0 for x in layers])
 
 
+@functools.cache
+def _global_names() -> tuple[dict, dict]:
+    """gguf.py's names outside the blocks: GGUF -> HF, and HF -> GGUF."""
+    from .gguf import _GLOBAL  # imported here: gguf.py imports this module
+
+    return _GLOBAL, {hf: g for g, hf in _GLOBAL.items()}
+
+
+def _write_sizes(w: GGUFWriter, s, n_layer: int, n_mtp: int) -> None:
+    """Block count (MTP blocks included), context, embedding and dense MLP widths."""
+    w.add_block_count(n_layer + n_mtp)
+    if n_mtp:
+        w.add_nextn_predict_layers(n_mtp)
+    w.add_context_length(int(s.max_position_embeddings))
+    w.add_embedding_length(s.hidden_size)
+    if s.intermediate_size:
+        w.add_feed_forward_length(s.intermediate_size)
+
+
 def convert(hf_name: str, t: torch.Tensor, n_layer: int) -> list[tuple[str, torch.Tensor]]:
     """One tensor in mtpkit's Step names (what ``map_checkpoint_name`` gives) -> GGUF."""
-    import re
-
     stem, _, param = hf_name.rpartition(".")
-    glob = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-            "lm_head": "output"}.get(stem)
+    glob = _global_names()[1].get(stem)
     if glob is not None:
         return [(f"{glob}.{param}", _to_gguf(glob, t))]
     own = re.fullmatch(r"mtp\.(?:per_layer\.(\d+)\.)?(\w+)", stem)
@@ -216,11 +228,8 @@ _READ_NEXTN.update(shared_head_head="shared_head.output", embed_tokens="embed_to
 def read_name(gname: str, n_layer: int):
     """GGUF tensor name -> (release name, value change or None); None for names Step has
     none for."""
-    import re
-
     stem, _, param = gname.rpartition(".")
-    glob = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-            "output": "lm_head"}.get(stem)
+    glob = _global_names()[0].get(stem)
     if glob is not None:
         return f"{glob}.{param}", _from_gguf(stem)
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", stem)
@@ -246,17 +255,10 @@ def _from_gguf(base: str):
 def read_config(md, n_layer: int, n_mtp: int, has_tensor) -> dict[str, Any]:
     """The HF config fields (transformers' spelling, per-layer lists covering the MTP layers
     too) of a step35 file; ``md(key_template, default)`` reads its metadata."""
-    from gguf import ExpertGatingFuncType, Keys
+    from gguf import Keys
 
-    gating = md(Keys.LLM.EXPERT_GATING_FUNC)
-    if gating is not None and int(gating) != ExpertGatingFuncType.SIGMOID:
-        raise ValueError(f"step35 file routes experts by gating function {gating}; Step "
-                         "routes by sigmoid")
     total = n_layer + n_mtp
-
-    def per_layer(template: str, default):
-        v = md(template, default)
-        return list(v) if isinstance(v, list) else [v] * total
+    per_layer = _per_layer_reader(md, "step35", "Step", total)
 
     heads = per_layer(Keys.Attention.HEAD_COUNT, 0)
     kv = per_layer(Keys.Attention.HEAD_COUNT_KV, heads[0])
@@ -308,6 +310,23 @@ def read_config(md, n_layer: int, n_mtp: int, has_tensor) -> dict[str, Any]:
     if overrides:
         out["per_layer_config"] = overrides
     return out
+
+
+def _per_layer_reader(md, arch: str, family: str, total: int):
+    """After refusing a file whose experts do not route by sigmoid: a reader of per-block
+    metadata (``per_layer(key_template, default)``, a scalar repeated over ``total``)."""
+    from gguf import ExpertGatingFuncType, Keys
+
+    gating = md(Keys.LLM.EXPERT_GATING_FUNC)
+    if gating is not None and int(gating) != ExpertGatingFuncType.SIGMOID:
+        raise ValueError(f"{arch} file routes experts by gating function {gating}; {family} "
+                         "routes by sigmoid")
+
+    def per_layer(template: str, default):
+        v = md(template, default)
+        return list(v) if isinstance(v, list) else [v] * total
+
+    return per_layer
 
 
 def _f32(x) -> float:
@@ -397,13 +416,7 @@ def write_mimo_metadata(w: GGUFWriter, cfg: dict, n_layer: int, n_mtp: int,
     s = parse_mimo(cfg)
     check_mimo(s)
     types = list(s.layer_types[:n_layer]) + [_SLIDING] * n_mtp  # MTP blocks: sliding
-    w.add_block_count(n_layer + n_mtp)
-    if n_mtp:
-        w.add_nextn_predict_layers(n_mtp)
-    w.add_context_length(int(s.max_position_embeddings))
-    w.add_embedding_length(s.hidden_size)
-    if s.intermediate_size:
-        w.add_feed_forward_length(s.intermediate_size)
+    _write_sizes(w, s, n_layer, n_mtp)
     heads = [s.shape(t).heads for t in types]
     w.add_head_count(heads[0] if len(set(heads)) == 1 else heads)
     w.add_head_count_kv([s.shape(t).kv_heads for t in types])
@@ -439,11 +452,8 @@ class MimoRenamer:
         self.qkv: dict[int, dict[str, torch.Tensor]] = {}
 
     def convert(self, hf_name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        import re
-
         stem, _, param = hf_name.rpartition(".")
-        glob = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-                "lm_head": "output"}.get(stem)
+        glob = _global_names()[1].get(stem)
         if glob is not None:
             return [(f"{glob}.{param}", t)]
         own = re.fullmatch(r"mtp\.(?:per_layer\.(\d+)\.)?(\w+)", stem)
@@ -488,13 +498,10 @@ _READ_MIMO_NEXTN["nextn.shared_head_norm"] = "final_layernorm"
 def read_mimo_names(gname: str, n_layer: int, md, n_experts: int):
     """GGUF tensor name -> [(release name, expert index or None, value change or None)];
     empty for names MiMo has none for."""
-    import re
-
     from gguf import Keys
 
     stem, _, param = gname.rpartition(".")
-    glob = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-            "output": "lm_head"}.get(stem)
+    glob = _global_names()[0].get(stem)
     if glob is not None:
         return [(f"{glob}.{param}", None, None)]
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", stem)
@@ -532,17 +539,10 @@ def read_mimo_names(gname: str, n_layer: int, md, n_experts: int):
 def read_mimo_config(md, n_layer: int, n_mtp: int, has_tensor) -> dict[str, Any]:
     """The HF config fields (the release's names for what transformers' lack) of a mimo2
     file; ``md(key_template, default)`` reads its metadata."""
-    from gguf import ExpertGatingFuncType, Keys
+    from gguf import Keys
 
-    gating = md(Keys.LLM.EXPERT_GATING_FUNC)
-    if gating is not None and int(gating) != ExpertGatingFuncType.SIGMOID:
-        raise ValueError(f"mimo2 file routes experts by gating function {gating}; MiMo "
-                         "routes by sigmoid")
     total = n_layer + n_mtp
-
-    def per_layer(template: str, default):
-        v = md(template, default)
-        return list(v) if isinstance(v, list) else [v] * total
+    per_layer = _per_layer_reader(md, "mimo2", "MiMo", total)
 
     types = [_SLIDING if p else _FULL
              for p in per_layer(Keys.Attention.SLIDING_WINDOW_PATTERN, False)]
