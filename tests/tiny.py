@@ -616,7 +616,6 @@ def _layers_after_trunk(tensors: dict, n_layers: int, own: dict, what: str) -> t
 def to_step_layout(tensors: dict, n_layers: int, model) -> dict:
     """mtp.* head tensors -> Step's model.layers.{n_layers + i}.* (enorm, hnorm, eh_proj,
     transformer.shared_head.{norm, output}, the block's own names), as released."""
-
     own = {"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "fc": "eh_proj",
            "norm": "transformer.shared_head.norm"}
     out, count = _layers_after_trunk(tensors, n_layers, own, "Step")
