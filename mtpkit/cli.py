@@ -252,6 +252,13 @@ def _calibrate_args(sub) -> None:
                    help="passes over the feature cache (with --features)")
     p.add_argument("--teacher-top-k", type=int, default=32,
                    help="trunk probabilities kept per position in the feature cache")
+    p.add_argument("--head-type", choices=["mtp", "eagle3"], default="mtp",
+                   help="mtp: fc over [embedding, final state], the trunk's lm_head; eagle3: "
+                        "fc over three trunk states, its own lm_head over --draft-vocab tokens "
+                        "(Llama-family trunks; export-head --format eagle3)")
+    p.add_argument("--aux-layers", type=int, nargs=3, metavar="L",
+                   help="eagle3: the trunk layers whose input states the head reads (default "
+                        "vLLM's: 2, n/2, n-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=_cmd_calibrate)
@@ -277,7 +284,8 @@ def _cmd_calibrate(a) -> int:
             device=a.device, seq_len=a.seq_len, batch_size=a.batch_size, lr=a.lr,
             heldout_fraction=a.heldout_fraction, checkpoint_every=a.checkpoint_every,
             resume=a.resume, draft_vocab=a.draft_vocab, features=a.features,
-            epochs=a.epochs, top_k=a.teacher_top_k,
+            epochs=a.epochs, top_k=a.teacher_top_k, head_type=a.head_type,
+            aux_layers=a.aux_layers,
         )
         run(cfg, progress="bar" if sys.stderr.isatty() else "lines")
         if distributed:
@@ -355,7 +363,9 @@ def _export_head_args(sub) -> None:
                    help="trunk checkpoint folder (default: the built-in model's float16 weights)")
     p.add_argument("--head", help="head folder (default: the built-in head with the built-in "
                                   "model; none: the checkpoint's own head)")
-    p.add_argument("--format", default="mimo", help="mimo (the only exact layout; see --help)")
+    p.add_argument("--format", default="mimo",
+                   help="mimo (trunk + MTP head; see --help) or eagle3 (an EAGLE-3 head alone, "
+                        "as vLLM's Eagle3LlamaForCausalLM)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16, float32")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.set_defaults(func=_cmd_export_head)
@@ -368,6 +378,18 @@ def _cmd_export_head(a) -> int:
     if _is_builtin(a.model) and head is None:
         head = _builtin_head_or_none()
     model = str(_source_trunk(a.model))
+    if a.format == "eagle3":
+        from .train.export_eagle3 import export_eagle3
+
+        if head is None:
+            raise SystemExit("error: --format eagle3 needs --head: an EAGLE-3 head folder "
+                             "from `mtpkit calibrate --head-type eagle3`")
+        out = export_eagle3(model, head, a.out, a.dtype)
+        print(f"wrote {out} (Eagle3LlamaForCausalLM). Serve it with vLLM:\n"
+              f"  vllm serve {model} --speculative-config "
+              f"'{{\"method\": \"eagle3\", \"model\": \"{out}\", "
+              "\"num_speculative_tokens\": 3}'")
+        return 0
     out = export_head(model, head, a.out, a.format, a.dtype)
     print(f"wrote {out} (model_type mimo, one MTP layer). Serve it with vLLM:\n"
           f"  vllm serve {out} --speculative-config "

@@ -318,7 +318,7 @@ def test_release_config_is_read_as_transformers_reads_it(dsv4):
     ({"scoring_func": "softmax"}, "scoring_func"),
     ({"n_shared_experts": 2}, "n_shared_experts"),
     ({"norm_topk_prob": False}, "norm_topk_prob"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quant_method"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"layer_types": None, "compress_ratios": [0, 4, 64, 4]}, "compress_ratios"),
     ({"layer_types": None, "compress_ratios": [0, 4, 128, 4, 4, 0]}, "MTP layers"),

@@ -262,9 +262,11 @@ def _gguf_contents(path: Path) -> tuple[dict, dict]:
     return fields, tensors
 
 
-def _run_converter(model: Path, ref: Path, raw_config: bool = False) -> Path:
-    """llama.cpp's convert_hf_to_gguf.py on ``model``, F32, into ``ref``; with ``raw_config``
-    it reads config.json as written rather than through transformers' AutoConfig."""
+def _run_converter(model: Path, ref: Path, raw_config: bool = False,
+                   args: tuple[str, ...] = ()) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on ``model``, F32, into ``ref`` (``args`` added to
+    its command line); with ``raw_config`` it reads config.json as written rather than
+    through transformers' AutoConfig."""
     import sys
 
     conv = Path(CONVERTER).resolve()
@@ -283,7 +285,7 @@ def _run_converter(model: Path, ref: Path, raw_config: bool = False) -> Path:
         "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
         f"{bypass}"
         f"sys.argv = [{str(conv)!r}, {str(model)!r}, '--outfile', {str(ref)!r}, "
-        "'--outtype', 'f32']\n"
+        f"'--outtype', 'f32', *{list(args)!r}]\n"
         f"runpy.run_path({str(conv)!r}, run_name='__main__')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=600)
@@ -396,6 +398,20 @@ MOE_CASES = [
     MoeCase("glm4_moe_lite",
             lambda: tiny._glm4_moe_lite(mlp_layer_types=["dense", "sparse", "sparse"], **_GLM),
             "deepseek2", glm=True, converter_leading_dense=0),
+    # GLM-5: GLM-4.7-Flash's trunk with DSA indexers (a full, a shared and a full layer),
+    # index_topk (12) below the prompts' lengths so that the sparse selection decides what
+    # the trunk attends; indexer heads 64 wide (llama.cpp's smallest Hadamard rotation of
+    # them), 16 of them (with 8 this seed's greedy text has a near tie, 4e-4 between the top
+    # two logits, which llama.cpp's float16 caches flip); dense layers leading only, as
+    # llama.cpp's glm-dsa takes them. The
+    # converter writes the config's first_k_dense_replace (transformers' default of 3,
+    # saved beside mlp_layer_types), not the leading dense layers mlp_layer_types lists.
+    MoeCase("glm_moe_dsa",
+            lambda: tiny._glm_moe_dsa(num_hidden_layers=3,
+                                      mlp_layer_types=["dense", "sparse", "sparse"],
+                                      indexer_types=["full", "shared", "full"],
+                                      index_head_dim=64, index_n_heads=16, **_GLM),
+            "glm-dsa", glm=True, converter_leading_dense=3),
 ]
 
 
@@ -424,14 +440,24 @@ def test_moe_metadata_matches_what_llama_cpp_expects(moe):
     assert md[f"{a}.expert_count"] == 8 and md[f"{a}.expert_group_used_count"] == 2
     assert {"blk.3.nextn.eh_proj.weight", "blk.3.ffn_gate_exps.weight",
             "blk.3.exp_probs_b.bias"} <= names
-    if a == "deepseek2":
+    if a in ("deepseek2", "glm-dsa"):
         # Absorbed MLA: one KV head as wide as the latent plus the rope part.
-        assert md["deepseek2.attention.head_count_kv"] == 1
-        assert md["deepseek2.attention.key_length"] == 32 + 8
-        assert md["deepseek2.attention.key_length_mla"] == 16 + 8
+        assert md[f"{a}.attention.head_count_kv"] == 1
+        assert md[f"{a}.attention.key_length"] == 32 + 8
+        assert md[f"{a}.attention.key_length_mla"] == 16 + 8
         assert {"blk.0.attn_k_b.weight", "blk.3.attn_v_b.weight"} <= names
         assert not any("kv_b" in n for n in names)
-    else:
+    if a == "glm-dsa":
+        # The indexers' sizes and schedule (true: a layer with its own indexer), the MTP
+        # block's own indexer, and none in the shared layer.
+        assert [md[f"glm-dsa.attention.indexer.{k}"] for k in ("head_count", "key_length",
+                                                               "top_k")] == [
+            cfg["index_n_heads"], cfg["index_head_dim"], cfg["index_topk"]]
+        assert md["glm-dsa.attention.indexer.types"] == [True, False, True]
+        assert {f"blk.{i}.indexer.{t}.weight" for i in (0, 2, 3)
+                for t in ("attn_q_b", "attn_k", "k_norm", "proj")} <= names
+        assert not any(n.startswith("blk.1.indexer.") for n in names)
+    elif a == "glm4moe":
         assert md["glm4moe.rope.dimension_count"] == cfg["head_dim"] // 2
     if case.glm:
         assert (md["tokenizer.ggml.eot_token_id"], md["tokenizer.ggml.eom_token_id"]) == (2, 3)
@@ -484,6 +510,25 @@ def test_moe_configs_llama_cpp_cannot_run_are_refused(change, message, tmp_path)
     assert list(tmp_path.iterdir()) == []  # no file, not even a temporary one
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"index_head_dim": 32}, "not a multiple of 64"),
+    ({"q_lora_rank": None}, "requires the query LoRA"),
+])
+def test_glm_dsa_configs_llama_cpp_cannot_run_are_refused(change, message, tmp_path):
+    """GLM-5 checkpoints llama.cpp's glm-dsa cannot run get an error naming the reason."""
+    from mtpkit.checkpoint.gguf import write_gguf
+
+    cfg = {"model_type": "glm_moe_dsa", "num_hidden_layers": 3, "num_attention_heads": 4,
+           "hidden_size": 64, "intermediate_size": 128, "q_lora_rank": 32,
+           "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+           "v_head_dim": 16, "n_routed_experts": 8, "first_k_dense_replace": 1,
+           "index_head_dim": 64, "index_n_heads": 4, "index_topk": 8, **change}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        write_gguf(tmp_path / "never.gguf", "glm-dsa", cfg,
+                   {"model.layers.3.enorm.weight": torch.ones(64)})
+    assert list(tmp_path.iterdir()) == []
+
+
 @needs_server
 @pytest.mark.parametrize("k", [1, 3])
 def test_llama_server_runs_mtpkits_moe_gguf_with_mtp(moe, k):
@@ -508,10 +553,10 @@ def test_moe_metadata_and_tensors_equal_llama_cpps_converter(moe, tmp_path):
     ours, our_tensors = _gguf_contents(_gguf(model, "F32"))
     a = case.arch
     mtpkit_only = set(MOE_MTPKIT_ONLY)
-    if a == "deepseek2":
-        mtpkit_only.add("deepseek2.expert_gating_func")  # the converter leaves it to the
-        # config's scoring_func, which transformers' configs drop: llama.cpp then routes by
-        # softmax
+    if a in ("deepseek2", "glm-dsa"):
+        mtpkit_only.add(f"{a}.expert_gating_func")  # the converter leaves it to the
+        # config's scoring_func, which transformers' configs drop: llama.cpp's deepseek2
+        # then routes by softmax (its glm-dsa by sigmoid, which mtpkit writes anyway)
     if a == "glm4moe":
         mtpkit_only.add("glm4moe.vocab_size")
     differ = set()
@@ -688,6 +733,13 @@ def test_step_gguf_runs_in_mtpkit_as_its_checkpoint(step):
             res.metrics.num_draft_tokens, res.metrics.num_accepted_tokens)
 
 
+# Step-3.5 with Llama-3 RoPE scaling on its full-attention layers (the release's scaled layer
+# type), over an original context of 16 so that it slows every full layer's slower channels
+# within the tests' lengths.
+STEP_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
 # A small Step-3.5 config in the release's spelling: a full and two sliding layers, three
 # sliding MTP layers, the release's rotary (half on full layers, whole on sliding ones).
 _STEP_SMALL = {
@@ -711,7 +763,10 @@ _STEP_SMALL = {
      "sliding_attention layers differ in rotary width"),
     ({"partial_rotary_factors": [1] * 6}, "rotates half of rope.dimension_count"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0,
-                       "original_max_position_embeddings": 64}}, "rope scaling"),
+                       "original_max_position_embeddings": 64}}, "rope scaling yarn"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope scaling linear"),
+    ({"rope_scaling": STEP_LLAMA3, "yarn_only_types": ["full_attention", "sliding_attention"]},
+     "rope scaling on sliding-attention layers"),
 ])
 def test_step_configs_llama_cpp_cannot_run_are_refused(change, message, tmp_path):
     """Step checkpoints whose step35 GGUF llama.cpp would not load, or would decode otherwise
@@ -806,6 +861,101 @@ def test_llama_server_runs_quantized_step_gguf_losslessly(step, qtype, mtp, head
     heads = [f"blk.{4 + i}.{t}.weight" for i in range(STEP_MTP)
              for t in ("nextn.eh_proj", "attn_q", "ffn_down")]
     _quantized_lossless(step[1], qtype, mtp, head_type, heads, STEP_MTP)
+
+
+def _step_llama3(out: Path) -> None:
+    _step_text_only(out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["rope_scaling"] = dict(STEP_LLAMA3)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+@pytest.fixture(scope="module")
+def step_llama3(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("step_llama3") / "m"
+    fam = tiny.Family("step3p5", lambda: tiny._step3p7(vocab_size=VOCAB, query_pre_attn_scalar=16),
+                      mtp_layout="step3p7", mtp_layers=STEP_MTP, rewrite=_step_llama3)
+    tiny.write_checkpoint(fam, out)
+    tiny.add_mtp_head(out, fam, layers=STEP_MTP)  # trained on the scaled trunk
+    _bpe_tokenizer(out)
+    return out
+
+
+def test_step_llama3_scaling_is_written_as_rope_freqs(step_llama3, tmp_path):
+    """The scaling is one rope_freqs tensor (the full layers' frequency divisors, as mtpkit's
+    rotary computes them; 1 for the rest of half the widest rotary width) and no
+    rope.scaling key, which llama.cpp would apply to every layer. mtpkit reads the file back
+    to the folder's logits, which the scaling moves at these positions."""
+    import shutil
+
+    from mtpkit.models.layers import rope_inv_freq
+
+    model = step_llama3
+    path = _gguf(model, "F32")
+    with open_gguf(path) as g:
+        md = g.metadata
+        freqs = g._load("rope_freqs.weight", None)
+    assert not any(k.startswith("step35.rope.scaling.") and "llama3" not in k for k in md)
+    # Full layers rotate 8 channels at theta 5e4, sliding ones 16: 8 divisors, 4 of them
+    # the full layers' own.
+    plain = rope_inv_freq(8, 50000.0, None)
+    scaled = rope_inv_freq(8, 50000.0, STEP_LLAMA3)
+    assert freqs.shape == (8,)
+    torch.testing.assert_close(freqs[:4], plain / scaled, rtol=1e-6, atol=0)
+    assert freqs[0] > 1 and freqs[3] == 8.0 and freqs[4:].eq(1).all()
+    unscaled = tmp_path / "unscaled"
+    shutil.copytree(model, unscaled)
+    cfg = json.loads((unscaled / "config.json").read_text())
+    del cfg["rope_scaling"]
+    (unscaled / "config.json").write_text(json.dumps(cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b, c = (load_model(p).model for p in (model, path, unscaled))
+    assert [x.rope_scaling for x in b.config.layers + b.config.mtp] == [
+        x.rope_scaling and {**x.rope_scaling, "rope_theta": 50000.0,
+                            "partial_rotary_factor": 0.5}
+        for x in a.config.layers + a.config.mtp]
+    ids = torch.tensor([list(range(3, 43))])
+    with torch.no_grad():
+        want = a.logits(a(ids).hidden)
+        torch.testing.assert_close(b.logits(b(ids).hidden), want, rtol=0, atol=1e-5)
+        assert (c.logits(c(ids).hidden) - want).abs().max() > 0.1
+
+
+@needs_server
+@pytest.mark.parametrize("k", [1, 3])
+def test_llama_server_runs_step_gguf_with_llama3_scaling(step_llama3, k):
+    """llama.cpp decodes the scaled file as mtpkit does (the scaling on the full layers
+    only, the sliding and MTP layers unscaled) and drafts with its three MTP layers
+    losslessly; at k = 1 draft for draft as for the unscaled model."""
+    _against_llama_server(step_llama3, k, exact=k == 1)
+
+
+@needs_converter
+def test_step_llama3_scaling_equals_llama_cpps_converter(step_llama3, tmp_path):
+    """The converter writes the same rope_freqs (to float32 rounding: it computes the
+    frequencies in float32, mtpkit's rotary in float64) and no scaling key; mtpkit adds the
+    scaling's parameters, and refuses the converter's file, which lacks them, by name."""
+    from mtpkit.checkpoint.errors import CheckpointError
+
+    ref = _run_converter(step_llama3, tmp_path / "ref.gguf", raw_config=True)
+    theirs, their_tensors = _gguf_contents(ref)
+    ours, our_tensors = _gguf_contents(_gguf(step_llama3, "F32"))
+    llama3 = {f"step35.rope.scaling.llama3.{k}" for k in (
+        "factor", "low_freq_factor", "high_freq_factor", "original_context_length")}
+    assert set(theirs) - set(ours) == STEP_CONVERTER_ONLY
+    assert set(ours) - set(theirs) == STEP_MTPKIT_ONLY | llama3
+    assert {k for k in set(ours) & set(theirs) if ours[k] != theirs[k]} == set()
+    assert "rope_freqs.weight" in set(our_tensors) & set(their_tensors)
+    assert [n for n in our_tensors if n != "rope_freqs.weight"
+            and our_tensors[n] != their_tensors[n]] == []
+    with open_gguf(ref) as g:
+        theirs_freqs = g._load("rope_freqs.weight", None)
+        with pytest.raises(CheckpointError, match="rope.scaling.llama3"):
+            g.hf_config()
+    with open_gguf(_gguf(step_llama3, "F32")) as g:
+        torch.testing.assert_close(g._load("rope_freqs.weight", None), theirs_freqs,
+                                   rtol=1e-6, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------

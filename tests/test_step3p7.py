@@ -58,8 +58,8 @@ def test_release_config_is_read_as_transformers_reads_it(checkpoint_factory):
 
 
 def test_checkpoint_loads_without_leftovers(checkpoint_factory):
-    """Every tensor is used or deliberately skipped (vision tower, the MTP layers' copies of
-    the lm_head); all three MTP layers are built."""
+    """Every tensor is used or deliberately skipped (vision tower); all three MTP layers are
+    built, and their copies of the lm_head, equal to it, are dropped for the lm_head."""
     loaded = _load(checkpoint_factory("step3p7"))
     assert not loaded.report.unexpected
     assert len(loaded.model.mtp.layers) == STEP_MTP_LAYERS
@@ -72,7 +72,9 @@ def test_checkpoint_loads_without_leftovers(checkpoint_factory):
     assert m.map_checkpoint_name("model.layers.6.eh_proj.weight") == "mtp.per_layer.2.fc.weight"
     assert m.map_checkpoint_name("model.layers.5.transformer.self_attn.g_proj.weight") == (
         "mtp.layers.1.self_attn.g_proj.weight")
-    assert m.map_checkpoint_name("model.layers.5.transformer.shared_head.output.weight") is None
+    assert m.map_checkpoint_name("model.layers.5.transformer.shared_head.output.weight") == (
+        "mtp.heads.1.weight")
+    assert len(m.mtp.heads) == 0
 
 
 def test_swiglu_clamps_are_exercised(checkpoint_factory):

@@ -885,3 +885,127 @@ def test_step_ignore_list_without_mtp_block_names(step, tmp_path):
     assert rep.exit_code == 2
     fixed = fix_config(bad, tmp_path / "fixed").out
     assert "mtp-unquantized-not-ignored" not in diagnose(fixed, ["vllm"]).codes()
+
+
+DSV4_CFG = {"model_type": "deepseek_v4", "num_hidden_layers": 4, "n_routed_experts": 4}
+
+
+def test_deepseek_v4_runtime_names():
+    """vLLM's DeepseekV4ForCausalLM / DeepSeekV4MTP module names for the release's names:
+    fused wq_a + wkv and shared w1 + w3, shared w2 renamed down_proj, float compressors,
+    weights_proj and router, experts decided by expert 0's w1 / w3 / w2, MTP layer i at
+    model.layers.{L + i} with its block under mtp_block."""
+    from mtpkit.checkpoint.runtime_names import (
+        describe,
+        ignore_list_for,
+        ignore_status,
+        map_ignore_entries,
+        vllm_mtp_class,
+    )
+
+    def rt(name):
+        return describe(name, "deepseek_v4", config=DSV4_CFG)
+
+    assert vllm_mtp_class("deepseek_v4") == "DeepSeekV4MTP"
+    q = rt("layers.0.attn.wkv")
+    assert (q.name, q.shards) == ("model.layers.0.attn.fused_wqa_wkv",
+                                  ("model.layers.0.attn.wq_a", "model.layers.0.attn.wkv"))
+    assert rt("model.layers.0.attn.wq_a").name == q.name  # save_pretrained's model. prefix
+    for float_module in ("layers.1.attn.compressor.wgate", "layers.1.attn.indexer.weights_proj",
+                         "layers.1.attn.indexer.compressor.wkv", "layers.2.ffn.gate",
+                         "mtp.0.enorm", "mtp.0.norm"):
+        assert not rt(float_module).quantizable, float_module
+    assert rt("layers.1.attn.indexer.wq_b").quantizable
+    shared = rt("layers.2.ffn.shared_experts.w3")
+    assert shared.name == "model.layers.2.ffn.shared_experts.gate_up_proj"
+    assert rt("layers.2.ffn.shared_experts.w2").name == \
+        "model.layers.2.ffn.shared_experts.down_proj"
+    experts = rt("layers.2.ffn.experts.3.w1")
+    assert experts.kind == "experts" and experts.name == "model.layers.2.ffn.experts"
+    assert "model.layers.2.ffn.experts.0.w2" in experts.shards
+    e = rt("mtp.1.e_proj")
+    assert (e.name, e.mtp, e.quantizable) == ("model.layers.5.e_proj", True, True)
+    assert rt("mtp.0.attn.wq_a").name == "model.layers.4.mtp_block.attn.fused_wqa_wkv"
+    assert rt("mtp.0.ffn.shared_experts.w2").name == \
+        "model.layers.4.mtp_block.ffn.shared_experts.down_proj"
+    assert (rt("mtp.0.head").name, rt("mtp.0.head").kind) == ("model.layers.4.head", "head")
+    assert rt("head").name == "lm_head"
+    # The mapper renames exact entries as it renames weights: the trunk's on-disk names
+    # reach its modules, an mtp.* name becomes model.mtp.* and reaches nothing the draft
+    # builds; the draft's own runtime names do.
+    assert map_ignore_entries(["layers.2.ffn.shared_experts.w2", "mtp.0.e_proj", "re:mtp.*"],
+                              "deepseek_v4", config=DSV4_CFG) == [
+        "model.layers.2.ffn.shared_experts.down_proj", "model.mtp.0.e_proj", "re:mtp.*"]
+    assert ignore_status("layers.2.ffn.shared_experts.w2", ["layers.2.ffn.shared_experts.w2"],
+                         "deepseek_v4", config=DSV4_CFG) == "ignored"
+    assert ignore_status("mtp.0.e_proj", ["mtp.0.e_proj"], "deepseek_v4",
+                         config=DSV4_CFG) == "quantized"
+    mtp0 = ["mtp.0.e_proj", "mtp.0.h_proj", "mtp.0.attn.wq_a", "mtp.0.attn.wkv",
+            *(f"mtp.0.ffn.experts.{x}.w{w}" for x in range(4) for w in (1, 2, 3))]
+    entries = ignore_list_for(mtp0, "deepseek_v4", config=DSV4_CFG)
+    for m in mtp0:
+        assert ignore_status(m, entries, "deepseek_v4", config=DSV4_CFG) == "ignored", m
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        describe("mtp.0.e_proj", "deepseek_v4")
+
+
+# SGLang's DeepSeek-V4, read from sgl-project/sglang's deepseek_v4.py (DeepseekV4ForCausalLM:
+# remap_weight_name_to_dpsk_hf_format renames the weights attn -> self_attn, ffn -> mlp,
+# w1 / w3 / w2 -> gate_proj / up_proj / down_proj; wq_a + wkv loaded into one wqkv_a when
+# SGLANG_OPT_FUSE_WQA_WKV (default on), from .weight / .weight_scale_inv only; wo_a built
+# with the quantization config only for SGLANG_OPT_FP8_WO_A_GEMM, which asserts FP8 block
+# scales; the compressors' wkv_gate a plain parameter; the indexer's weights_proj with
+# quant_config=None; no packed_modules_mapping) and deepseek_v4_nextn.py
+# (DeepseekV4ForCausalLMNextN: e_proj / h_proj ReplicatedLinear with the quantization config
+# at model.*, the block at model.decoder, the head at model.shared_head.head).
+def test_deepseek_v4_runtime_names_in_sglang():
+    from mtpkit.checkpoint.runtime_names import describe, map_ignore_entries
+
+    def rt(name):
+        return describe(name, "deepseek_v4", "sglang", config=DSV4_CFG)
+
+    a = rt("layers.0.attn.wq_a")
+    assert (a.name, a.shards, a.loads_quantized) == ("model.layers.0.self_attn.wqkv_a", (),
+                                                     False)
+    assert rt("model.layers.0.attn.wkv").name == a.name
+    assert not rt("layers.0.attn.wo_a").quantizable
+    assert rt("layers.1.attn.wo_b").name == "model.layers.1.self_attn.wo_b"
+    assert rt("layers.1.attn.indexer.wq_b").quantizable
+    for float_module, name in (
+            ("layers.1.attn.compressor.wgate", "model.layers.1.self_attn.compressor.wkv_gate"),
+            ("layers.1.attn.indexer.weights_proj", "model.layers.1.self_attn.indexer.weights_proj"),
+            ("layers.2.ffn.gate", "model.layers.2.mlp.gate"),
+            ("layers.2.attn_norm", "model.layers.2.input_layernorm"),
+            ("mtp.0.norm", "model.shared_head.norm")):
+        got = rt(float_module)
+        assert (got.name, got.quantizable) == (name, False), float_module
+    shared = rt("layers.2.ffn.shared_experts.w1")
+    assert (shared.name, shared.shards) == ("model.layers.2.mlp.shared_experts.gate_up_proj", ())
+    assert rt("layers.2.ffn.shared_experts.w2").name == \
+        "model.layers.2.mlp.shared_experts.down_proj"
+    experts = rt("layers.2.ffn.experts.3.w2")
+    assert experts.name == "model.layers.2.mlp.experts" and len(experts.shards) == 4 * 3
+    assert "model.layers.2.mlp.experts.3.down_proj" in experts.shards
+    e = rt("mtp.1.e_proj")
+    assert (e.name, e.mtp, e.quantizable) == ("model.e_proj", True, True)
+    assert rt("mtp.0.attn.wq_b").name == "model.decoder.self_attn.wq_b"
+    assert rt("mtp.0.ffn.shared_experts.w3").name == \
+        "model.decoder.mlp.shared_experts.gate_up_proj"
+    assert (rt("mtp.0.head").name, rt("mtp.0.head").kind) == ("model.shared_head.head", "head")
+    assert rt("head").name == "lm_head"
+    # SGLang renames weights, never ignore entries: the on-disk names reach nothing it builds.
+    assert map_ignore_entries(["layers.2.ffn.shared_experts.w2", "mtp.0.e_proj"],
+                              "deepseek_v4", "sglang", config=DSV4_CFG) == [
+        "layers.2.ffn.shared_experts.w2", "mtp.0.e_proj"]
+    assert ignore_status("layers.2.ffn.shared_experts.w2", ["layers.2.ffn.shared_experts.w2"],
+                         "deepseek_v4", "sglang", config=DSV4_CFG) == "quantized"
+    # A fused module without a packed-modules mapping: its shards' names do not reach it.
+    assert ignore_status("layers.0.attn.wq_a", ["layers.0.attn.wq_a", "layers.0.attn.wkv"],
+                         "deepseek_v4", "sglang", config=DSV4_CFG) == "quantized"
+    mods = ["mtp.0.e_proj", "mtp.0.attn.wq_a", "mtp.0.attn.wkv", "layers.2.ffn.shared_experts.w1",
+            "layers.2.ffn.shared_experts.w3",
+            *(f"mtp.0.ffn.experts.{x}.w{w}" for x in range(4) for w in (1, 2, 3))]
+    entries = ignore_list_for(mods, "deepseek_v4", "sglang", config=DSV4_CFG)
+    for m in mods:
+        assert ignore_status(m, entries, "deepseek_v4", "sglang", config=DSV4_CFG) \
+            == "ignored", m

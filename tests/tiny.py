@@ -531,6 +531,8 @@ def add_mtp_head(
         model = load_model(out, tokenizer=False).model
         shell = build_model(hf_config_of(open_checkpoint(out)), torch.device("cpu"))
     head = shell.mtp
+    # It drafts with the trunk's lm_head; the layouts write the release's copies of it.
+    head.heads.clear()
     randomize(head, seed + 1)
     # Start each block from the trunk's last full-attention layer where the shapes agree.
     for block in head.layers:
@@ -863,11 +865,12 @@ def dsv4_mtp_release_tensors(model) -> dict:
 
 
 def write_deepseek_v4(out: Path, seed: int = 0, layers: int = DSV4_MTP_LAYERS,
-                      steps: int = 60) -> torch.nn.Module:
+                      steps: int = 60, over: dict | None = None) -> torch.nn.Module:
     """A random tiny DeepSeek-V4 as transformers saves it, with MTP layers (trained on the
-    trunk's greedy text, layer i at depth i + 1) in model_mtp.safetensors as released."""
+    trunk's greedy text, layer i at depth i + 1) in model_mtp.safetensors as released;
+    ``over``: config fields that differ from _deepseek_v4's."""
     torch.manual_seed(seed)
-    ref = _deepseek_v4().eval()
+    ref = _deepseek_v4(**(over or {})).eval()
     randomize(ref, seed)
     _randomize_router_bias(ref)
     g = torch.Generator().manual_seed(seed + 3)

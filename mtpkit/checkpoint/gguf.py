@@ -12,7 +12,7 @@ each change, so that ``get_tensor`` returns what the HF safetensors file holds, 
   qwen3next splits ``in_proj_qkvz`` into ``attn_qkv`` and ``attn_gate``; qwen35 reorders the
   linear-attention value heads from grouped-by-key-head to tiled when there are more value
   heads than key heads;
-- ``glm4moe`` / ``deepseek2`` (DeepSeek-style MoE, MLA): see ``gguf_moe``;
+- ``glm4moe`` / ``deepseek2`` / ``glm-dsa`` (DeepSeek-style MoE, MLA, DSA): see ``gguf_moe``;
 - ``step35`` (Step-3.5 / 3.7-Flash) and ``mimo2`` (MiMo-V2-Flash), three MTP layers each:
   see ``gguf_step``;
 - MTP heads live in blocks ``n .. n + k - 1`` (``n = block_count - nextn_predict_layers``) as
@@ -63,6 +63,7 @@ _ARCHS = {
         "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
         # GLM-4.7-Flash files too: the same model as DeepSeek-V3's, whatever the release.
         "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+        "glm-dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
         "step35": ("step3p5", "Step3p5ForCausalLM"),
         "mimo2": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     }.items()
@@ -418,7 +419,7 @@ class GGUFCheckpoint:
                 cfg.update(gguf_moe.read_config(self.arch, md, self._tensors.__contains__))
             except ValueError as e:
                 raise CheckpointError(f"{self.path}: {e}") from e
-            if self.arch == "deepseek2":
+            if self.arch in gguf_moe.MLA_ARCHS:
                 for key in ("head_dim", "partial_rotary_factor", "num_key_value_heads"):
                     cfg.pop(key, None)  # MLA's are the absorbed form's: not config fields
                 if cfg.get("rope_scaling"):
@@ -553,7 +554,7 @@ class GGUFCheckpoint:
                         (gname, gate), fn=lin.qkvz_to_hf
                     )
                 continue
-            if base in ("attn_k_b", "attn_v_b") and arch == "deepseek2":
+            if base in ("attn_k_b", "attn_v_b") and arch in gguf_moe.MLA_ARCHS:
                 if base == "attn_k_b":
                     index[f"{prefix}.self_attn.kv_b_proj{suffix}"] = _Entry(
                         (gname, f"blk.{bid}.attn_v_b{suffix}"), fn=gguf_moe.merge_kv_b)
@@ -754,6 +755,9 @@ class _Renamer:
         self.hf_block = {hf: base for base, hf in _BLOCK.items() if base != "post_attention_norm"}
         self.experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
         self.mimo = gguf_step.MimoRenamer(n_layer) if arch in gguf_step.MIMO_ARCHS else None
+        # step35: MTP layers' own output heads, and the lm_head they may merely copy.
+        self.own_heads: dict[str, torch.Tensor] = {}
+        self.lm_head: torch.Tensor | None = None
 
     def block_name(self, hf_name: str) -> str:
         """HF name -> GGUF name, for one tensor that maps one-to-one."""
@@ -786,6 +790,12 @@ class _Renamer:
     def convert(self, hf_name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The GGUF tensors one HF tensor becomes (experts are gathered until ``finish``)."""
         if self.arch in gguf_step.STEP_ARCHS:
+            head = gguf_step.own_head(hf_name, self.n_layer)
+            if head is not None:
+                self.own_heads[head] = t  # kept where it differs from the lm_head (finish)
+                return []
+            if hf_name == "lm_head.weight":
+                self.lm_head = t
             return gguf_step.convert(hf_name, t, self.n_layer)
         qwen_next = self.arch in _QWEN_NEXT
         m = _EXPERT_RE.fullmatch(hf_name)
@@ -809,7 +819,7 @@ class _Renamer:
             if own and f"mtp.{own[2]}" in _NEXTN_BY_MTP:
                 bid = self.n_layer + int(own[1] or 0)
                 return [(f"blk.{bid}.nextn.{_NEXTN_BY_MTP['mtp.' + own[2]]}{suffix}", t)]
-            if self.arch == "deepseek2":
+            if self.arch in gguf_moe.MLA_ARCHS:
                 return self._mla(hf_name, t)
         if self.arch == "qwen3next" and hf_name.endswith("linear_attn.in_proj_qkvz.weight"):
             if self.lin is None:
@@ -821,7 +831,7 @@ class _Renamer:
         return [(gname, self._apply(gname, t))]
 
     def _mla(self, hf_name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """deepseek2: kv_b_proj split for absorbed MLA, rope rows as adjacent pairs."""
+        """deepseek2 / glm-dsa: kv_b_proj split for absorbed MLA, rope rows as adjacent pairs."""
         if hf_name.endswith("self_attn.kv_b_proj.weight"):
             k_b, v_b = gguf_moe.split_kv_b(t, self.cfg)
             kb = self.block_name(hf_name.replace("kv_b_proj", "k_b_proj"))
@@ -841,7 +851,13 @@ class _Renamer:
         return fn(t) if fn else t
 
     def finish(self) -> list[tuple[str, torch.Tensor]]:
-        """The stacked expert tensors, [expert, out, in] per projection."""
+        """The stacked expert tensors, [expert, out, in] per projection (step35, whose
+        experts come stacked: the MTP layers' own heads that differ from the lm_head, and
+        its rope_freqs, if any)."""
+        if self.arch in gguf_step.STEP_ARCHS:
+            own = [(n, t) for n, t in sorted(self.own_heads.items())
+                   if self.lm_head is None or not torch.equal(t, self.lm_head)]
+            return own + gguf_step.rope_freqs(self.cfg)
         if self.mimo is not None:
             self.mimo.finish()
         by_proj = {proj: base for base, proj in _EXPERTS.items()}
@@ -862,6 +878,7 @@ def _keep_f32(gname: str, t: torch.Tensor) -> bool:
         t.dim() < 2
         or base.endswith("norm")
         or base in ("ssm_conv1d", "ssm_a", "ffn_gate_inp", "ffn_gate_inp_shexp")
+        or stem.endswith(".indexer.proj")  # DSA's head weights, float32 in the model too
     )
 
 

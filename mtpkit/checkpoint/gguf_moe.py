@@ -1,8 +1,9 @@
-"""GGUF output for the DeepSeek-style MoE families: GLM-4.5 (``glm4moe``) and MLA models
-(``deepseek2``: DeepSeek-V3, GLM-4.7-Flash).
+"""GGUF output for the DeepSeek-style MoE families: GLM-4.5 (``glm4moe``), MLA models
+(``deepseek2``: DeepSeek-V3, GLM-4.7-Flash) and GLM-5 (``glm-dsa``: MLA with DSA indexers).
 
-What llama.cpp's loaders read (src/models/glm4-moe.cpp, deepseek2.cpp) and its converter
-writes (conversion/glm.py, deepseek.py), beside what ``gguf.py`` does for every family:
+What llama.cpp's loaders read (src/models/glm4-moe.cpp, deepseek2.cpp, glm-dsa.cpp) and its
+converter writes (conversion/glm.py, deepseek.py), beside what ``gguf.py`` does for every
+family:
 
 - Routed experts stack into one 3-D tensor per projection, the router's score bias is
   ``exp_probs_b.bias``, shared experts are ``ffn_*_shexp``; both archs route by sigmoid with
@@ -12,6 +13,16 @@ writes (conversion/glm.py, deepseek.py), beside what ``gguf.py`` does for every 
   ``attn_v_b`` ([head, v, kv_lora]). Its RoPE rotates adjacent pairs, which is how DeepSeek
   releases store the rope rows (``rope_interleave``, transformers' default); a checkpoint
   with half-split rope rows has them interleaved on the way.
+- ``glm-dsa`` is ``deepseek2``'s MLA plus an indexer per layer (``blk.N.indexer.{attn_q_b,
+  attn_k, k_norm, proj}``, the last kept in F32; head widths a multiple of 64, as
+  llama.cpp rotates queries and keys by a Hadamard matrix), its sizes and top-k as
+  ``attention.indexer.*`` and which layers run their own indexer as the per-layer
+  ``attention.indexer.types`` (true: "full"; without it llama.cpp makes every layer of a
+  model trained on under 1M positions a full one). Its trunk runs the sparse selection as
+  transformers does (top-k keys per query, the rest masked); its MTP block attends densely
+  and has no indexer at run time, so its drafts match mtpkit's (whose MTP layer runs its
+  indexer) only while the context holds at most ``index_topk`` keys. The output is the
+  trunk's either way.
 - One MTP layer, appended as block ``n`` with ``blk.n.nextn.*``; its embedding and head fall
   back to the trunk's, so their per-layer copies are not written.
 """
@@ -25,7 +36,11 @@ import torch
 if TYPE_CHECKING:
     from gguf import GGUFWriter
 
-MOE_ARCHS = {"glm4moe", "deepseek2"}
+MOE_ARCHS = {"glm4moe", "deepseek2", "glm-dsa"}
+# Absorbed MLA: one KV head, kv_b_proj split into attn_k_b / attn_v_b.
+MLA_ARCHS = {"deepseek2", "glm-dsa"}
+# Not in every gguf package release's Keys (llama.cpp's own gguf-py has it).
+INDEXER_TYPES = "{arch}.attention.indexer.types"
 # HF model_type -> GGUF arch, for model types written as another's arch (gguf.py's _ARCHS
 # holds each arch's own model type, which files of the arch read back as).
 MOE_MODEL_TYPES = {"glm4_moe_lite": "deepseek2"}
@@ -83,7 +98,9 @@ def write_metadata(w: GGUFWriter, arch: str, cfg: dict, n_mtp: int,
         w.add_value_length(head_dim)
         w.add_rope_dimension_count(int(head_dim * rot))
         return
-    check_mla(cfg)
+    check_mla(cfg, arch)
+    if arch == "glm-dsa":
+        _write_indexer(w, cfg)
     kv_lora, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
     if cfg.get("q_lora_rank") is not None:
         w.add_q_lora_rank(int(cfg["q_lora_rank"]))
@@ -104,9 +121,34 @@ def write_metadata(w: GGUFWriter, arch: str, cfg: dict, n_mtp: int,
             w.add_rope_scaling_yarn_log_mul(0.1 * float(scaling["mscale_all_dim"]))
 
 
-def check_mla(cfg: dict) -> None:
-    """ValueError where llama.cpp's deepseek2 would not load or would decode otherwise."""
+def _write_indexer(w: GGUFWriter, cfg: dict) -> None:
+    """glm-dsa's indexer sizes, top-k and per-layer schedule (what its loader reads)."""
+    from ..models.glm_moe_dsa import indexer_schedule
+
+    w.add_indexer_head_count(int(cfg.get("index_n_heads", 32)))
+    w.add_indexer_key_length(int(cfg.get("index_head_dim", 128)))
+    w.add_indexer_top_k(int(cfg.get("index_topk", 2048)))
+    kinds = indexer_schedule(cfg, int(cfg["num_hidden_layers"]))
+    # Written always (the converter only where the config lists them): without it
+    # llama.cpp guesses the schedule from the context length, as for GLM-5 / 5.2 releases.
+    w.add_array(INDEXER_TYPES.format(arch=w.arch), [k == "full" for k in kinds])
+
+
+def check_mla(cfg: dict, arch: str = "deepseek2") -> None:
+    """ValueError where llama.cpp's deepseek2 / glm-dsa would not load or would decode
+    otherwise."""
     n = int(cfg["num_hidden_layers"])
+    if cfg.get("q_lora_rank") is None and arch == "glm-dsa":
+        raise ValueError("q_lora_rank is null (a plain q_proj): llama.cpp's glm-dsa requires "
+                         "the query LoRA (its indexer reads the query latent); this "
+                         "checkpoint has no GGUF form that llama.cpp loads")
+    index_dim = int(cfg.get("index_head_dim", 128))
+    if arch == "glm-dsa" and index_dim % 64:
+        # The rotation is orthogonal (scores unchanged) but at least 64 channels wide.
+        raise ValueError(f"index_head_dim {index_dim} is not a multiple of 64: llama.cpp's "
+                         "glm-dsa rotates the indexer's queries and keys by a Hadamard "
+                         "matrix of 64 or more channels and cannot run this checkpoint; "
+                         "it has no GGUF form that llama.cpp runs")
     if cfg.get("q_lora_rank") is None and n not in (26, 27):
         # llama.cpp reads attention.q_lora_rank unless the layer count is that of the "lite"
         # releases (DeepSeek-V2-Lite and kin), so such a file would not load.
@@ -133,7 +175,7 @@ def rope_scaling(cfg: dict) -> dict:
 
 def head_count_kv(arch: str, cfg: dict) -> int | None:
     """llama.cpp's KV head count where it differs from the config's (MLA: one)."""
-    return 1 if arch == "deepseek2" else None
+    return 1 if arch in MLA_ARCHS else None
 
 
 def split_kv_b(t: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +220,7 @@ _GLM_SPECIAL = {"bos_token_id": "[gMASK]", "eot_token_id": "<|user|>",
 
 def special_tokens(model_type: str | None, vocab: dict) -> dict:
     """``vocab`` (Tokenizer.gguf_vocab's fields) with the family's special ids set."""
-    if model_type not in ("glm4_moe", "glm4_moe_lite"):
+    if model_type not in ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa"):
         return vocab
     ids = {t: i for i, t in enumerate(vocab["tokens"])}
     found = {key: ids[tok] for key, tok in _GLM_SPECIAL.items() if tok in ids}
@@ -198,6 +240,10 @@ READ_BLOCK = {
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "indexer.attn_q_b": "self_attn.indexer.wq_b",
+    "indexer.attn_k": "self_attn.indexer.wk",
+    "indexer.k_norm": "self_attn.indexer.k_norm",
+    "indexer.proj": "self_attn.indexer.weights_proj",
 }
 
 
@@ -208,8 +254,8 @@ def merge_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
 
 
 def read_config(arch: str, md, has_tensor) -> dict:
-    """The HF config fields of a glm4moe / deepseek2 file (``md(key_template, default)``
-    reads its metadata, ``has_tensor(name)`` asks whether a tensor is there)."""
+    """The HF config fields of a glm4moe / deepseek2 / glm-dsa file (``md(key_template,
+    default)`` reads its metadata, ``has_tensor(name)`` asks whether a tensor is there)."""
     from gguf import ExpertGatingFuncType, Keys
 
     gating = md(Keys.LLM.EXPERT_GATING_FUNC)
@@ -245,7 +291,31 @@ def read_config(arch: str, md, has_tensor) -> dict:
         v_head_dim=md(Keys.Attention.VALUE_LENGTH_MLA),
         rope_interleave=True,  # written as adjacent pairs, whatever the source stored
     )
+    if arch == "glm-dsa":
+        out.update(_read_indexer(md))
     return out
+
+
+def _read_indexer(md) -> dict:
+    """glm-dsa's indexer fields; the schedule as llama.cpp's loader takes it when absent."""
+    from gguf import Keys
+
+    n = int(md(Keys.LLM.BLOCK_COUNT)) - int(md(Keys.LLM.NEXTN_PREDICT_LAYERS, 0) or 0)
+    kinds = md(INDEXER_TYPES)
+    if kinds is None:
+        # GLM-5 / 5.1 files (trained on under 1M positions) run an indexer in every layer;
+        # longer ones take GLM-5.2's schedule: layers 0 and 1, then every fourth from 2.
+        long = int(md(Keys.LLM.CONTEXT_LENGTH, 0) or 0) >= 1 << 20
+        kinds = [not long or i < 2 or (i - 2) % 4 == 0 for i in range(n)]
+    kinds = list(kinds)
+    if len(kinds) < n:
+        raise ValueError(f"attention.indexer.types has {len(kinds)} entries for {n} layers")
+    return {
+        "index_n_heads": md(Keys.Attention.Indexer.HEAD_COUNT),
+        "index_head_dim": md(Keys.Attention.Indexer.KEY_LENGTH),
+        "index_topk": md(Keys.Attention.Indexer.TOP_K),
+        "indexer_types": ["full" if k else "shared" for k in kinds[:n]],
+    }
 
 
 def yarn_mscale(md) -> dict:

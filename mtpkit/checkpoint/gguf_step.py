@@ -11,6 +11,12 @@ What llama.cpp's loader reads (src/models/step35.cpp) and its converter writes
   absent) at ``rope.freq_base``; sliding layers rotate ``rope.dimension_count_swa``
   (``rope.dimension_count`` when absent) at ``rope.freq_base_swa``. One setting per layer
   type, so per-layer lists that vary within a type have no GGUF form.
+- Llama-3 RoPE scaling of the full-attention layers (Step's default scaled layer type) is the
+  one scaling step35 holds: one ``rope_freqs.weight`` of per-pair frequency divisors, which
+  its graph applies to non-sliding blocks only (MTP blocks included), with no scaling key
+  (any rope.scaling.* key would reach every layer). The divisors are those mtpkit's rotary
+  computes; the scaling's parameters, which they cannot be read back from, are written
+  beside them as ``rope.scaling.llama3.*`` keys (llama.cpp reads none of them).
 - Attention scores are scaled by head_dim ** -0.5; the output gate is one sigmoid logit per
   head (``attn_gate``, Step's ``g_proj``).
 - Every RMSNorm is zero-centred (x * (1 + w)) and is stored as ``w + 1``.
@@ -20,8 +26,10 @@ What llama.cpp's loader reads (src/models/step35.cpp) and its converter writes
   ``swiglu_clamp_shexp`` clamp silu(gate) from above and up to [-L, L] as Step does (the
   second also in dense MLPs), 0 meaning none.
 - MTP layer i is block ``n + i`` with ``blk.{n+i}.nextn.{eh_proj, enorm, hnorm,
-  shared_head_norm}``. Its embedding and head fall back to the trunk's, which mtpkit's
-  Step3p7 uses too, so the per-layer copies are not written. llama.cpp chains the layers
+  shared_head_norm}``. Its embedding and head fall back to the trunk's; the release's
+  per-layer copies of the lm_head (``shared_head.output``) are written as
+  ``nextn.shared_head_head`` only where they differ from it (llama.cpp, as vLLM, scores a
+  layer's drafts with its own head where there is one). llama.cpp chains the layers
   as vLLM's Step3p5MTP does: layer 0 reads the trunk's state before the final norm, layer
   i + 1 the output of layer i before its shared_head norm, draft step i runs layer i.
 """
@@ -29,6 +37,7 @@ What llama.cpp's loader reads (src/models/step35.cpp) and its converter writes
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -96,11 +105,7 @@ def check(s, n_mtp: int) -> None:
             f"{s.head_dim}: llama.cpp's step35 scales attention scores by head_dim ** -0.5; "
             f"{no_form}")
     layers = s.layers + s.mtp[:n_mtp]
-    if any(x.rope_scaling for x in layers):
-        raise ValueError(
-            "rope scaling: llama.cpp's step35 takes one scaling for the whole model (YaRN's "
-            "attention factor reaches the sliding layers too) while Step scales some layer "
-            f"types only; mtpkit does not write it; {no_form}")
+    _check_scaling(layers, no_form)
     for kind in (_FULL, _SLIDING):
         of_kind = [x for x in layers if x.kind == kind]
         for what, values in (("rope_theta", {x.rope_theta for x in of_kind}),
@@ -116,6 +121,74 @@ def check(s, n_mtp: int) -> None:
             f"full-attention layers rotate {full[0]} of {s.head_dim} channels: llama.cpp's "
             "step35 rotates half of rope.dimension_count there, which would exceed the head; "
             f"{no_form}")
+
+
+# Llama-3 scaling's parameters, as written beside rope_freqs (HF name -> GGUF key).
+_LLAMA3 = {
+    "factor": "{arch}.rope.scaling.llama3.factor",
+    "low_freq_factor": "{arch}.rope.scaling.llama3.low_freq_factor",
+    "high_freq_factor": "{arch}.rope.scaling.llama3.high_freq_factor",
+    "original_max_position_embeddings": "{arch}.rope.scaling.llama3.original_context_length",
+}
+_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+def _kind_of(scaling: dict) -> str:
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def _check_scaling(layers: list, no_form: str) -> None:
+    """ValueError for RoPE scaling step35 cannot hold: anything but one Llama-3 scaling on
+    the full-attention layers alone."""
+    scaled = [x for x in layers if x.rope_scaling]
+    if not scaled:
+        return
+    kinds = sorted({_kind_of(x.rope_scaling) for x in scaled})
+    if kinds != ["llama3"]:
+        raise ValueError(
+            f"rope scaling {', '.join(kinds)}: llama.cpp's step35 holds Llama-3 scaling only "
+            "(as rope_freqs, on full-attention layers); a rope.scaling type reaches every "
+            f"layer (YaRN's attention factor the sliding ones too) while Step scales some "
+            f"layer types only; {no_form}")
+    if any(x.kind == _SLIDING for x in scaled):
+        raise ValueError(
+            "rope scaling on sliding-attention layers: llama.cpp's step35 applies rope_freqs "
+            f"to full-attention layers only; {no_form}")
+    full = [x for x in layers if x.kind == _FULL]
+    params = {json.dumps(_llama3_params(x.rope_scaling), sort_keys=True) if x.rope_scaling
+              else None for x in full}
+    if len(params) > 1:
+        raise ValueError(
+            "full-attention layers differ in rope scaling: llama.cpp's step35 has one "
+            f"rope_freqs for all of them; {no_form}")
+
+
+def _llama3_params(scaling: dict) -> dict:
+    """The Llama-3 scaling's parameters (ValueError naming a missing one)."""
+    out = {k: scaling.get(k, _LLAMA3_DEFAULTS.get(k)) for k in _LLAMA3}
+    missing = [k for k, v in out.items() if v is None]
+    if missing:
+        raise ValueError(f"llama3 rope scaling without {', '.join(missing)}")
+    return {k: float(v) for k, v in out.items()}
+
+
+def rope_freqs(cfg: dict) -> list[tuple[str, torch.Tensor]]:
+    """``rope_freqs.weight`` for a Step config with Llama-3 scaling (none without): per
+    rotated pair of the full-attention layers, the divisor that turns their unscaled
+    frequency into the scaled one, 1 past their width, as long as llama.cpp's loader
+    expects (half the widest trunk layer's rotary width)."""
+    from ..models.layers import rope_inv_freq
+
+    s = parse(cfg)
+    full = next((x for x in s.layers if x.kind == _FULL and x.rope_scaling), None)
+    if full is None:
+        return []
+    plain = rope_inv_freq(full.rot_dim, full.rope_theta, None).double()
+    scaled = rope_inv_freq(full.rot_dim, full.rope_theta, full.rope_scaling).double()
+    width = max(x.rot_dim for x in s.layers) // 2
+    divisors = torch.ones(width, dtype=torch.float64)
+    divisors[: plain.numel()] = plain / scaled
+    return [("rope_freqs.weight", divisors.float())]
 
 
 def write_metadata(w: GGUFWriter, cfg: dict, n_layer: int, n_mtp: int,
@@ -169,6 +242,10 @@ def write_metadata(w: GGUFWriter, cfg: dict, n_layer: int, n_mtp: int,
         w.add_swiglu_clamp_exp([x.limit or 0.0 for x in layers])
     if any(x.shared_limit for x in layers):
         w.add_swiglu_clamp_shexp([x.shared_limit or 0.0 for x in layers])
+    scaled = next((x for x in layers if x.rope_scaling), None)
+    if scaled is not None:
+        for key, value in _llama3_params(scaled.rope_scaling).items():
+            w.add_float32(_LLAMA3[key].format(arch=w.arch), value)
 
 
 @functools.cache
@@ -188,6 +265,13 @@ def _write_sizes(w: GGUFWriter, s, n_layer: int, n_mtp: int) -> None:
     w.add_embedding_length(s.hidden_size)
     if s.intermediate_size:
         w.add_feed_forward_length(s.intermediate_size)
+
+
+def own_head(hf_name: str, n_layer: int) -> str | None:
+    """The nextn name of MTP layer i's own output head (``mtp.heads.{i}``); None for others.
+    Written only where it differs from the lm_head: llama.cpp falls back to the trunk's."""
+    m = re.fullmatch(r"mtp\.heads\.(\d+)\.weight", hf_name)
+    return None if m is None else f"blk.{n_layer + int(m[1])}.nextn.shared_head_head.weight"
 
 
 def convert(hf_name: str, t: torch.Tensor, n_layer: int) -> list[tuple[str, torch.Tensor]]:
@@ -269,6 +353,13 @@ def read_config(md, n_layer: int, n_mtp: int, has_tensor) -> dict[str, Any]:
     rot = {_FULL: dim // 2, _SLIDING: int(md(Keys.Rope.DIMENSION_COUNT_SWA, dim))}
     theta = {_FULL: float(md(Keys.Rope.FREQ_BASE, 10000.0)),
              _SLIDING: float(md(Keys.Rope.FREQ_BASE_SWA, 10000.0))}
+    scaling = {k: md(key) for k, key in _LLAMA3.items()}
+    if has_tensor("rope_freqs.weight") and None in scaling.values():
+        raise ValueError(
+            "the file scales its full-attention layers' RoPE by a rope_freqs tensor without "
+            "the Llama-3 parameters it was computed from (rope.scaling.llama3.*, which "
+            "mtpkit writes and llama.cpp's converter does not); mtpkit cannot rebuild the "
+            "scaling from it: run the Hugging Face folder, or its GGUF from mtpkit quantize")
     if len(set(kv)) > 1:
         raise ValueError(f"KV head counts {kv} vary by layer; Step shares one")
     # A layer type's head count; trunk layers that differ from it are per_layer_config.
@@ -307,6 +398,11 @@ def read_config(md, n_layer: int, n_mtp: int, has_tensor) -> dict[str, Any]:
         "norm_expert_weight": bool(md(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
         "num_nextn_predict_layers": n_mtp,
     }
+    if has_tensor("rope_freqs.weight"):
+        out["rope_parameters"][_FULL].update(
+            rope_type="llama3", **{k: _f32(v) for k, v in scaling.items()})
+        out["rope_parameters"][_FULL]["original_max_position_embeddings"] = int(
+            scaling["original_max_position_embeddings"])
     if overrides:
         out["per_layer_config"] = overrides
     return out

@@ -61,6 +61,13 @@ mappers) and vLLM's compressed-tensors ignore matching:
   ``weights_proj`` are built as one ``self_attn.indexer.wk_weights_proj`` without a
   quantization config (SGLang: ``weights_proj`` only), ``k_norm`` is a LayerNorm.
 
+- SGLang's DeepSeek-V4 (deepseek_v4.py, deepseek_v4_nextn.py, default settings): weights renamed
+  ``attn`` -> ``self_attn``, ``ffn`` -> ``mlp``, ``w1/w3/w2`` -> ``gate/up/down_proj``, ignore
+  entries never renamed, no packed-modules mapping; ``wq_a`` + ``wkv`` one ``wqkv_a`` whose
+  loader reads float (or FP8 block-scaled) tensors only, ``wo_a`` float for compressed-tensors,
+  compressors, ``weights_proj`` and the router never quantized; one draft layer with
+  ``e_proj``/``h_proj`` at ``model.*`` and its block at ``model.decoder``.
+
 The version-dependent rules are in ``VllmRules``; docs/doctor.md ("What vLLM loads") names
 the vLLM file and function each rule was read from.
 
@@ -205,6 +212,9 @@ class RuntimeModule:
     # False: the engine builds no such module and never reads its tensors (vLLM drafts
     # MiMo-V2-Flash with MTP layer 0 only); ignore entries for it are harmless and unneeded.
     built: bool = True
+    # False: the engine's loader reads only float (or its own FP8) tensors for it, so a
+    # compressed-tensors quantized copy is misloaded; keep it float and ignored.
+    loads_quantized: bool = True
 
     @property
     def by_name_only(self) -> bool:
@@ -230,6 +240,7 @@ _VLLM_MTP_CLASS = {
     "qwen3_next": "Qwen3NextMTP",
     "qwen3_5": "Qwen3_5MTP", "qwen3_5_text": "Qwen3_5MTP", "qwen3_5_moe": "Qwen3_5MoeMTP",
     "qwen3_5_moe_text": "Qwen3_5MoeMTP", "step3p5": "Step3p5MTP", "step3p7": "Step3p5MTP",
+    "deepseek_v4": "DeepSeekV4MTP",
 }
 # Families whose MTP layer sits at model.layers.{L + i} with enorm/hnorm/eh_proj/shared_head.
 _NEXTN = _MLA | _GLM
@@ -245,6 +256,28 @@ _MIMO_V2_OWN = ("enorm", "hnorm", "eh_proj", "final_layernorm")
 # mtp_block, these modules outside it.
 _STEP = {"step3p5", "step3p7"}
 _STEP_OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+# DeepSeek-V4 (vLLM's models/deepseek_v4: DeepseekV4ForCausalLM and DeepSeekV4MTP), in the
+# release's names. Its hf_to_vllm_mapper, applied to weights and exact ignore entries alike
+# (substrings first, then prefixes):
+_DSV4 = {"deepseek_v4"}
+_DSV4_SUBSTR = ((".shared_experts.w2", ".shared_experts.down_proj"),)
+_DSV4_PREFIXES = (("layers.", "model.layers."), ("embed.", "model.embed."),
+                  ("norm.", "model.norm."), ("hc_head", "model.hc_head"), ("mtp.", "model.mtp."))
+# packed_modules_mapping: fused leaf -> the shards' leaves.
+_DSV4_FUSIONS = {"fused_wqa_wkv": ("wq_a", "wkv"), "gate_up_proj": ("w1", "w3")}
+# The MTP layer's modules outside its block (the rest sits under mtp_block).
+_DSV4_MTP_OWN = ("enorm", "hnorm", "e_proj", "h_proj", "norm", "head", "emb",
+                 "hc_head_fn", "hc_head_base", "hc_head_scale")
+# SGLang's DeepseekV4ForCausalLM / DeepseekV4ForCausalLMNextN (deepseek_v4.py,
+# deepseek_v4_nextn.py): remap_weight_name_to_dpsk_hf_format renames the weights (never the
+# ignore entries, and the classes declare no packed_modules_mapping).
+_DSV4_SGL_SUBSTR = ((".attn", ".self_attn"), (".ffn", ".mlp"),
+                    (".attn_norm", ".input_layernorm"), (".ffn_norm", ".post_attention_layernorm"),
+                    (".w1", ".gate_proj"), (".w2", ".down_proj"), (".w3", ".up_proj"))
+# The draft's modules outside its block, at model.* (SGLang's nextn_spec prefixes).
+_DSV4_SGL_MTP_OWN = {"e_proj": "e_proj", "h_proj": "h_proj", "enorm": "enorm",
+                     "hnorm": "hnorm", "norm": "shared_head.norm", "head": "shared_head.head",
+                     "emb": "embed_tokens"}
 # vLLM's hf_to_vllm_mapper prefixes of the Qwen3.5 VLM classes (HF name -> engine name).
 _VLM_PREFIXES = (
     ("model.visual.", "visual."),
@@ -386,6 +419,10 @@ def describe(
         kind = _leaf_kind(name)
         return RuntimeModule(name, (), kind != "never", _is_mtp_name(name, n_layer), kind=kind)
 
+    if mt in _DSV4 and engine == "vllm":
+        return _describe_dsv4(name, n_layer)
+    if mt in _DSV4 and engine == "sglang":
+        return _describe_dsv4_sglang(name, config)
     # MTP layouts first: they decide the prefix and which name map applies.
     if name.startswith("mtp."):
         mtp = True
@@ -529,6 +566,117 @@ def _describe_step(engine: str, layer: int, rest: str, n_layer: int | None,
     return RuntimeModule(name, (), True, mtp)
 
 
+def _describe_dsv4(disk: str, n_layer: int | None) -> RuntimeModule:
+    """The DeepSeek-V4 module vLLM builds for a release module (``layers.{i}.attn.wq_a``,
+    ``mtp.{i}.e_proj``..., with or without ``model.``)."""
+    if m := re.match(r"mtp\.(\d+)\.(.+)$", disk):
+        if n_layer is None:
+            raise ValueError(
+                f"{disk}: vLLM builds DeepSeek-V4 MTP layer i as model.layers.{{L+i}}; pass "
+                "config= (config.json) so that num_hidden_layers is known")
+        at, rest, mtp = f"model.layers.{n_layer + int(m[1])}.", m[2], True
+        head = rest.split(".")[0]
+        if head == "head":  # SharedHead's ParallelLMHead, under the layer's prefix + head
+            return RuntimeModule(f"{at}head", (), True, True, kind="head")
+        if head == "emb":  # the draft's one embedding, shared by its layers
+            return RuntimeModule("model.embed_tokens", (), True, True, kind="embedding")
+        if head == "norm":
+            return RuntimeModule(f"{at}shared_head.norm", (), False, True, kind="never")
+        if head not in _DSV4_MTP_OWN:
+            at += "mtp_block."  # the decoder block
+    elif m := re.match(r"(?:model\.)?layers\.(\d+)\.(.+)$", disk):
+        at, rest, mtp = f"model.layers.{m[1]}.", m[2], False
+    elif disk in ("embed", "model.embed_tokens"):
+        return RuntimeModule("model.embed_tokens", (), True, False, kind="embedding")
+    elif disk in ("head", "lm_head"):
+        return RuntimeModule("lm_head", (), True, False, kind="head")
+    else:
+        kind = _leaf_kind(disk)
+        return RuntimeModule(disk, (), kind != "never", False, kind=kind)
+    name = at + rest
+    if c := re.match(r"(.+\.compressor)\.(wkv|wgate)$", name):
+        # Compressors (the attention's and the indexer's) are one fused_wkv_wgate each,
+        # built without a quantization config: the release stores them in float.
+        return RuntimeModule(f"{c[1]}.fused_wkv_wgate", (), False, mtp, fused=True,
+                             kind="never")
+    if name.endswith((".indexer.weights_proj", ".ffn.gate")) or _leaf_kind(name) == "never":
+        # weights_proj: quant_config=None; the router: a GateLinear.
+        return RuntimeModule(name, (), False, mtp, kind="never")
+    if e := re.match(r"(.+\.ffn\.experts)\.\d+\.w[123]$", name):
+        # One fused-MoE module a layer, decided (compressed-tensors) by expert 0's
+        # checkpoint names w1 / w3 / w2, or (the release's fp8 config) by any ignore entry
+        # holding the module's name.
+        shards = tuple(f"{e[1]}.0.{w}" for w in ("w1", "w3", "w2"))
+        return RuntimeModule(e[1], shards, True, mtp, fused=True, kind="experts")
+    for a, b in _DSV4_SUBSTR:
+        name = name.replace(a, b)
+    prefix, _, leaf = name.rpartition(".")
+    for fused, shard_leaves in _DSV4_FUSIONS.items():
+        if leaf in shard_leaves:
+            return RuntimeModule(f"{prefix}.{fused}",
+                                 tuple(f"{prefix}.{s}" for s in shard_leaves), True, mtp,
+                                 fused=True, kind="fused")
+    return RuntimeModule(name, (), True, mtp)
+
+
+def _describe_dsv4_sglang(disk: str, config: dict | None) -> RuntimeModule:
+    """The DeepSeek-V4 module SGLang builds for a release module (its default settings)."""
+    if m := re.match(r"mtp\.(\d+)\.(.+)$", disk):
+        # DeepseekV4ForCausalLMNextN: one draft layer (num_nextn_predict_layers must be 1);
+        # its loader maps every mtp.{i}.* onto it, own modules at model.*, the block at
+        # model.decoder.
+        rest, mtp = m[2], True
+        own = rest.split(".")[0]
+        if own == "emb":
+            return RuntimeModule("model.embed_tokens", (), True, True, kind="embedding")
+        if own == "head":  # a ParallelLMHead at model.shared_head.head
+            return RuntimeModule("model.shared_head.head", (), True, True, kind="head")
+        if own in _DSV4_SGL_MTP_OWN:
+            name = f"model.{_DSV4_SGL_MTP_OWN[own]}"
+            kind = _leaf_kind(name)
+            return RuntimeModule(name, (), kind != "never", True, kind=kind)
+        name = "model.decoder." + rest
+    elif m := re.match(r"(?:model\.)?layers\.(\d+)\.(.+)$", disk):
+        name, mtp = f"model.layers.{m[1]}.{m[2]}", False
+    elif disk in ("embed", "model.embed_tokens"):
+        return RuntimeModule("model.embed_tokens", (), True, False, kind="embedding")
+    elif disk in ("head", "lm_head"):
+        return RuntimeModule("lm_head", (), True, False, kind="head")
+    else:
+        kind = _leaf_kind(disk)
+        return RuntimeModule(disk, (), kind != "never", False, kind=kind)
+    name = "." + name  # so that the draft block's leading attn / ffn is renamed too
+    for a, b in _DSV4_SGL_SUBSTR:  # each a whole name component
+        name = re.sub(re.escape(a) + r"(?=\.|$)", b, name)
+    name = name[1:]
+    if c := re.match(r"(.+\.compressor)\.(wkv|wgate)$", name):
+        # Compressor: one wkv_gate weight read by a bf16 x fp32 GEMM, never quantized.
+        return RuntimeModule(f"{c[1]}.wkv_gate", (), False, mtp, fused=True, kind="never")
+    if name.endswith((".indexer.weights_proj", ".mlp.gate")) or _leaf_kind(name) == "never":
+        # weights_proj: quant_config=None; the router: a float parameter of the MoE gate.
+        return RuntimeModule(name, (), False, mtp, kind="never")
+    if name.endswith(".self_attn.wo_a"):
+        # By default (SGLANG_OPT_FP8_WO_A_GEMM) wo_a needs FP8 block scales
+        # (weight_scale_inv); a compressed-tensors checkpoint loads only with that off, where
+        # wo_a is a bf16 layer without a quantization config.
+        return RuntimeModule(name, (), False, mtp, kind="never")
+    if a := re.match(r"(.+\.self_attn)\.(wq_a|wkv)$", name):
+        # SGLANG_OPT_FUSE_WQA_WKV (on by default): one wqkv_a, decided by its own name only;
+        # its loader fuses .weight / .weight_scale_inv alone, so compressed-tensors scales
+        # (weight_scale, weight_packed) never reach it.
+        return RuntimeModule(f"{a[1]}.wqkv_a", (), True, mtp, fused=True, kind="fused",
+                             loads_quantized=False)
+    if e := re.match(r"(.+\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$", name):
+        # One FusedMoE a layer; as for every family in SGLang, each expert's three names.
+        count = _num_experts(config)
+        experts = range(count) if count else [int(name.split(".")[-2])]
+        shards = tuple(f"{e[1]}.{x}.{p}" for x in experts for p in _EXPERT_PROJS)
+        return RuntimeModule(e[1], shards, True, mtp, fused=True, kind="experts")
+    if s := re.match(r"(.+\.shared_experts)\.(gate_proj|up_proj)$", name):
+        return RuntimeModule(f"{s[1]}.gate_up_proj", (), True, mtp, fused=True, kind="fused")
+    return RuntimeModule(name, (), True, mtp)
+
+
 def _leaf_kind(name: str) -> str:
     """linear | head | embedding | never, from the module's name."""
     leaf = name.rsplit(".", 1)[-1]
@@ -597,6 +745,18 @@ def map_ignore_entries(
                 own = m[2].split(".")[0] in _NEXTN_OWN
                 entry = f"model.{m[2]}" if own else f"model.decoder.{m[2]}"
             out.append(entry)
+        return out
+    if engine == "vllm" and mt in _DSV4:
+        # DeepseekV4ForCausalLM's hf_to_vllm_mapper, on dotted exact entries. The draft
+        # shares the target's config as mapped, so an exact mtp.{i}.* entry becomes
+        # model.mtp.{i}.* and never names the draft's model.layers.{L + i}.* modules.
+        out = []
+        for e in ignore:
+            if "." in e and not e.startswith("re:"):
+                for a, b in _DSV4_SUBSTR:
+                    e = e.replace(a, b, 1)
+                e = _apply_prefixes(e, _DSV4_PREFIXES)
+            out.append(e)
         return out
     if engine == "vllm" and mt in _STEP:
         # Step3p5ForCausalLM's substring map, applied to every dotted exact entry as to the
@@ -759,7 +919,10 @@ def _check_experts_complete(name: str, members: set[str], config: dict | None) -
     if not count:
         return
     have = {m.rsplit(".", 2)[-2:][0] + "." + m.rsplit(".", 1)[-1] for m in members}
-    want = {f"{e}.{p}" for e in range(count) for p in _EXPERT_PROJS}
+    # DeepSeek-V4's experts keep the release's w1 / w2 / w3.
+    projs = ("w1", "w2", "w3") if any(m.endswith((".w1", ".w2", ".w3")) for m in members) \
+        else _EXPERT_PROJS
+    want = {f"{e}.{p}" for e in range(count) for p in projs}
     missing = sorted(want - have)
     if missing:
         raise ValueError(

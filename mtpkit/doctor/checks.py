@@ -362,6 +362,8 @@ def _check_dtypes(rep, lay: HFLayout) -> None:
                 bad.append((tname, dt, "a float tensor (no scale stored beside it)"))
             elif suffix in _INT_PARTS and dt not in _INT_PARTS[suffix]:
                 bad.append((tname, dt, "/".join(sorted(_INT_PARTS[suffix]))))
+            elif suffix == "weight_scale_inv" and dt == "F8_E8M0":
+                continue  # DeepSeek-V4's ue8m0 block scales: powers of two in a byte
             elif suffix in ("weight_scale", "scales", "weight_scale_inv") and dt not in _FLOATS:
                 bad.append((tname, dt, "a float scale"))
     for tname, dt, want in bad:
@@ -398,6 +400,10 @@ def _check_quantization(rep, lay: HFLayout, engines, version=None) -> None:
             _check_ct_entries(rep, lay, engine, version)
         if "vllm" in fusing:
             _check_vllm_versions(rep, lay, version)
+    elif method in ("fp8", "deepseek_v4_fp8") and lay.model_type == "deepseek_v4" \
+            and "vllm" in fusing:
+        _check_skip_list(rep, lay, "vllm", _fp8_skipped(lay),
+                         "ignored_layers (exact names, renamed as vLLM renames the weights)")
     elif method == "awq":
         skip = list(q.get("modules_to_not_convert") or [])
         for engine in fusing:
@@ -793,6 +799,27 @@ def _regex_hint(pat, fused, disk, regex_ok, exact) -> str:
     if any(pat.search(n) for n in regex_ok | exact):
         return " (re.match anchors at the start of the name: prefix the pattern with .*)"
     return ""
+
+
+def _fp8_skipped(lay: HFLayout):
+    """vLLM's Fp8Config skip test (exact mode) on runtime names: the name listed, every
+    shard of a fused module listed, or (routed experts) an entry holding the name."""
+    q = lay.quant_config
+    skip = list(q.get("ignored_layers") or q.get("modules_to_not_convert") or [])
+    entries = set(map_ignore_entries(skip, lay.model_type, "vllm", config=lay.raw))
+    shards: dict[str, tuple[str, ...]] = {}
+    for mod in _linear_modules(lay):
+        try:
+            rt = describe(mod.name, lay.model_type, "vllm", config=lay.raw)
+        except ValueError:
+            continue
+        shards[rt.name] = rt.shards if rt.kind == "fused" else ()
+
+    def skipped(name: str) -> bool:
+        if name in entries or name.endswith(".experts") and any(name in e for e in entries):
+            return True
+        return bool(shards.get(name)) and all(s in entries for s in shards[name])
+    return skipped
 
 
 def _check_skip_list(rep, lay: HFLayout, engine: str, skipped, what: str) -> None:

@@ -168,6 +168,8 @@ def _fix_quant_lists(lay: HFLayout, q: dict, engines) -> list[str]:
     mt = lay.model_type
     if method == "compressed-tensors":
         return _fix_ct_ignore(lay, q, engines)
+    if method in ("fp8", "deepseek_v4_fp8") and mt == "deepseek_v4" and "vllm" in _fusing(engines):
+        return _fix_fp8_ignored(lay, q, floats)
     if method == "awq":
         skip = list(q.get("modules_to_not_convert") or [])
         new = sorted({describe(m.name, mt, e, config=lay.raw).name for m in floats
@@ -194,6 +196,31 @@ def _fix_quant_lists(lay: HFLayout, q: dict, engines) -> list[str]:
             return [f"quantization_config.dynamic: {added} '-:' entries keep modules "
                     "unquantized"]
     return []
+
+
+def _fix_fp8_ignored(lay: HFLayout, q: dict, floats) -> list[str]:
+    """DeepSeek-V4's FP8 config: list the float modules vLLM would build FP8 in
+    ``ignored_layers``, under the names vLLM's draft model and trunk build them."""
+    from .checks import _fp8_skipped
+
+    skipped = _fp8_skipped(lay)
+    need = []
+    for m in floats:
+        try:
+            rt = describe(m.name, lay.model_type, "vllm", config=lay.raw)
+        except ValueError:
+            continue
+        if _class_quantized(rt) and not skipped(rt.name):
+            need.append(m.name)
+    key = "modules_to_not_convert" if "modules_to_not_convert" in q \
+        and "ignored_layers" not in q else "ignored_layers"
+    old = list(q.get(key) or [])
+    new = [n for n in ignore_list_for(need, lay.model_type, "vllm", config=lay.raw)
+           if n not in old]
+    if not new:
+        return []
+    q[key] = old + new
+    return [f"quantization_config.{key}: added {len(new)} entries"]
 
 
 def _class_quantized(rt) -> bool:

@@ -205,6 +205,11 @@ def _modules(layout: HFLayout) -> dict[str, Module]:
             if marker in p:
                 fmt = f
                 break
+        if fmt == "float" and method in ("fp8", "deepseek_v4_fp8") and "weight" in p \
+                and "scale" in p:
+            # DeepSeek-V4's release names a module's block scale "scale" (weight_scale_inv).
+            fmt = "fp8-block-inv"
+            p["weight_scale_inv"] = p["scale"]
         if fmt == "scaled" and "weight" in p and layout.dtypes[p["weight"]] in _FLOAT_DTYPES:
             # a float weight with a scale is not a quantized format we know: treat as float
             fmt = "float"
@@ -258,6 +263,9 @@ def logical_shape(layout: HFLayout, mod: Module) -> tuple[int, ...] | None:
     p = mod.params
     if mod.fmt == "float" or "weight" in p and mod.fmt in ("fp8-block-inv", "scaled"):
         w = p.get("weight")
+        if w and mod.fmt == "fp8-block-inv" and layout.dtypes[w] in ("I8", "U8", "F4"):
+            n, half = layout.shapes[w]  # FP4: two e2m1 codes a byte
+            return (n, 2 * half)
         return layout.shapes[w] if w else None
     if mod.fmt == "pack-quantized" and "weight_shape" in p:
         from safetensors import safe_open

@@ -94,9 +94,15 @@ DEFAULT_MAX_LEN = 2048  # cache positions of a FastDecoder unless the model's co
 def unsupported_reason(model) -> str | None:
     """Why ``model`` cannot take the fast path (None when it can)."""
     layers = list(model.model.layers)
+    if getattr(model.mtp, "head_type", None) == "eagle3":
+        # Its steps read three trunk states and its own lm_head, which the programs lack.
+        return "EAGLE-3 heads run on the eager engine"
     if model.mtp is not None:
         if len(model.mtp.layers) != 1:
             return "MTP heads with more than one layer are not supported"
+        if len(getattr(model.mtp, "heads", ())):
+            # The programs score drafts with the lm_head.
+            return "MTP layers with output heads of their own are not supported"
         layers += list(model.mtp.layers)
     for layer in layers:
         if not isinstance(layer, PreNormDecoderLayer):

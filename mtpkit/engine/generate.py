@@ -43,25 +43,38 @@ class MTPDrafter:
     """Proposes k tokens by chaining the model's MTP head; keeps the head's cache in step.
 
     With a draft vocabulary (the N most frequent tokens of the head's training data) the head
-    scores only those N rows of the lm_head: a 49k-token lm_head is most of a small head's
-    cost. Output stays exact: verification scores the full vocabulary, and a sampled draft's
-    q is zero outside the subset, which the accept rule handles.
+    scores only those N rows of its output head: a 49k-token lm_head is most of a small
+    head's cost. Output stays exact: verification scores the full vocabulary, and a sampled
+    draft's q is zero outside the subset, which the accept rule handles. Each draft step is
+    scored by its MTP layer's output head (``model.draft_head``: the lm_head unless the layer
+    has one of its own).
     """
 
     def __init__(self, model: CausalLM, draft_vocab: torch.Tensor | None = None) -> None:
         self.model = model
         self.spec = model.mtp.spec
         self.vocab = None
-        if draft_vocab is not None and len(draft_vocab):
+        if getattr(model.mtp, "head_type", None) == "eagle3":
+            # Its own lm_head over its own draft vocabulary, rows mapped to target ids by d2t;
+            # a separately given vocabulary cannot apply.
+            self.vocab = model.mtp.target_ids()
+            self.sub_head = model.mtp.lm_head
+            self.layer_rows = [model.mtp.lm_head]
+        elif draft_vocab is not None and len(draft_vocab):
             self.vocab = draft_vocab.to(model.model.embed_tokens.weight.device)
-            # Those rows as a layer of the lm_head's own form (int codes stay codes).
+            # Those rows as a layer of the output head's own form (int codes stay codes): the
+            # lm_head's, and per MTP layer the rows of the head that scores its drafts.
             self.sub_head = linear_rows(model.lm_head, self.vocab)  # D -> N
+            self.layer_rows = [
+                self.sub_head if model.mtp.own_head(i) is None
+                else linear_rows(model.mtp.own_head(i), self.vocab)
+                for i in range(len(model.mtp.layers))]
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [1, N or V] of the draft for head states [1, D]."""
+    def head_logits(self, hidden: torch.Tensor, step: int) -> torch.Tensor:
+        """Logits [1, N or V] of draft step ``step`` for head states [1, D]."""
         if self.vocab is None:
-            return self.model.logits(hidden)
-        return self.sub_head(hidden).float()
+            return self.model.draft_logits(hidden, step)
+        return self.layer_rows[self.model.mtp.layer_for(step)](hidden).float()
 
     def propose(
         self,
@@ -80,7 +93,7 @@ class MTPDrafter:
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for s in range(k):
-            token, q = self.pick(s, self.head_logits(out.hidden[:, -1]), params, gen)
+            token, q = self.pick(s, self.head_logits(out.hidden[:, -1], s), params, gen)
             tokens.append(token)
             if q is not None:
                 qs.append(q)

@@ -21,9 +21,14 @@ class TrunkOutput:
 
     hidden: torch.Tensor  # [B, T, D] after the final norm (what the lm_head reads)
     pre_norm: torch.Tensor  # [B, T, D] before it
+    # [B, T, n*D]: the residual stream entering each layer an EAGLE-3 head reads, side by
+    # side (None unless the model's head needs them; see CausalLM.aux_layer_ids)
+    aux: torch.Tensor | None = None
 
     def for_mtp(self, which: str) -> torch.Tensor:
-        """The state an MTP head reads: 'post_norm' or 'pre_norm'."""
+        """The state an MTP head reads: 'post_norm', 'pre_norm' or 'aux'."""
+        if which == "aux":
+            return self.aux
         return self.hidden if which == "post_norm" else self.pre_norm
 
 
@@ -67,9 +72,24 @@ class CausalLM(nn.Module):
         start = cache.length if cache is not None else 0
         cos, sin = self.rotary.cos_sin(self._positions(start, input_ids.shape[1]))
         x = self.model.embed_tokens(input_ids)
+        aux_ids, aux = self.aux_layer_ids(), []
         for i, layer in enumerate(self.model.layers):
+            if i in aux_ids:
+                aux.append(x)
             x = layer(x, cos, sin, cache[i] if cache is not None else None)
-        return TrunkOutput(self.model.norm(x), x)
+        return TrunkOutput(self.model.norm(x), x, self._aux(aux_ids, aux, x))
+
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """Layer ids whose input states the head reads (an EAGLE-3 head's; else none)."""
+        return tuple(getattr(self.mtp, "aux_layers", ())) if self.mtp is not None else ()
+
+    def _aux(self, aux_ids, aux: list[torch.Tensor], last: torch.Tensor):
+        # Id num_hidden_layers names the last layer's output (before the final norm).
+        if not aux_ids:
+            return None
+        if len(self.model.layers) in aux_ids:
+            aux = [*aux, last]
+        return torch.cat(aux, dim=-1)
 
     def packable(self) -> bool:
         """Whether ``forward_packed`` can run this trunk: every layer mixes by GQA attention."""
@@ -93,18 +113,32 @@ class CausalLM(nn.Module):
                                for (_, c), n in zip(items, lengths, strict=True)])
         cos, sin = self.rotary.cos_sin(positions)
         x = self.model.embed_tokens(torch.cat([ids for ids, _ in items], dim=1))
+        aux_ids, aux = self.aux_layer_ids(), []
         for i, layer in enumerate(self.model.layers):
+            if i in aux_ids:
+                aux.append(x)
             x = layer(x, cos, sin, PackedCaches([c[i] for _, c in items], lengths))
         hidden = self.model.norm(x)
+        aux_all = self._aux(aux_ids, aux, x)
         outs, s = [], 0
         for n in lengths:
-            outs.append(TrunkOutput(hidden[:, s : s + n], x[:, s : s + n]))
+            outs.append(TrunkOutput(hidden[:, s : s + n], x[:, s : s + n],
+                                    None if aux_all is None else aux_all[:, s : s + n]))
             s += n
         return outs
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (fp32) for hidden states [B, T, D]."""
         return self.lm_head(hidden).float()
+
+    def draft_head(self, step: int) -> nn.Module:
+        """The output head scoring draft step ``step``: its MTP layer's own, else the lm_head."""
+        own = self.mtp.own_head(step)
+        return self.lm_head if own is None else own
+
+    def draft_logits(self, hidden: torch.Tensor, step: int) -> torch.Tensor:
+        """Vocabulary logits (fp32) of draft step ``step`` for the head's states [B, T, D]."""
+        return self.draft_head(step)(hidden).float()
 
     def mtp_forward(
         self,
@@ -190,11 +224,12 @@ class CausalLM(nn.Module):
                 self._copy_param(params[sub_name], tensor, sub_name, name, ckpt)
                 by_module[sub_name] = name
                 loaded.add(sub_name)
-        missing = [p for p in params if p not in by_module]
+        # A layer's own output head may be absent: the lm_head serves (_share_heads).
+        missing = [p for p in params if p not in by_module and not p.startswith("mtp.heads.")]
         missing_mtp = [p for p in missing if p.startswith("mtp.")]
-        n_mtp = sum(p.startswith("mtp.") for p in params) + sum(
-            m.startswith("mtp.") for m in quantized.values()
-        )
+        n_mtp = sum(p.startswith("mtp.") and not p.startswith("mtp.heads.") for p in params) \
+            + sum(m.startswith("mtp.") and not m.startswith("mtp.heads.")
+                  for m in quantized.values())
         if self.mtp is not None and missing_mtp and not keep_missing_head:
             if len(missing_mtp) == n_mtp:
                 report.notes.append(
@@ -228,12 +263,29 @@ class CausalLM(nn.Module):
             self._copy_param(p, self._read_float(plan, ckpt, ckpt_name), module_name,
                              ckpt_name, ckpt)
         self._warn_unquantized(plan, by_module, report, getattr(ckpt, "_names", ()))
+        if self.mtp is not None:
+            self._share_heads({m for m in by_module if m.startswith("mtp.heads.")}
+                              | {m + ".weight" for m in quantized.values()})
         if unexpected:
             report.notes.append(
                 f"{len(unexpected)} checkpoint tensors are not used by the "
                 f"{type(self).__name__} model, e.g. {', '.join(unexpected[:5])}"
             )
         return report
+
+    def _share_heads(self, loaded: set[str]) -> None:
+        """Drop every MTP layer's own output head that the checkpoint lacks or that equals
+        the lm_head: the lm_head scores those layers' drafts, and no second matrix is kept."""
+        from ..quant.linear import QuantLinear
+
+        def weight(m: nn.Module) -> torch.Tensor:
+            return m.dequantize() if isinstance(m, QuantLinear) else m.weight
+
+        heads = self.mtp.heads
+        for key in list(heads):
+            if f"mtp.heads.{key}.weight" not in loaded or (
+                    torch.equal(weight(heads[key]), weight(self.lm_head))):
+                del heads[key]
 
     def _install_quantized(self, plan, ckpt, report) -> dict[str, str]:
         """Swap the Linear of every module stored quantized for a QuantLinear."""

@@ -35,12 +35,18 @@ wires it: the trunk's streams BEFORE ``hc_head`` (h [B, T, hc, D]) and the next 
 embedding (zeroed at position 0) give x = h_proj(hnorm(h)) + e_proj(enorm(emb)) per stream;
 one decoder block (sliding attention, top-k MoE); its output streams are chained into the
 next step; logits = lm_head(norm(hc_head(streams))) with the layer's own ``hc_head_*`` and
-``norm``. ``mtp.{i}.head`` / ``mtp.{i}.emb.tok_emb`` (copies of the trunk's) are not read.
+``norm``. ``mtp.{i}.head`` / ``mtp.{i}.emb.tok_emb`` (copies of the trunk's) are not read:
+vLLM loads ``mtp.{i}.head`` into the layer's shared_head.head, but its MTP proposer then puts
+the trunk's lm_head in its place, so the drafts are scored by the lm_head in both. Draft step
+s runs layer ``layer_for(s)`` (models/mtp.py, shared with every family).
 
 Names: transformers' module names (``model.layers.{i}.self_attn.q_a_proj``...) and the
 release's (``layers.{i}.attn.wq_a``, ``ffn.experts.{e}.w1``, ``embed``, ``head``...), with or
 without ``model.`` (transformers' save_pretrained writes the release's block names below
-it). Refused: the release's FP8 / FP4 tensors (``.scale``) and quantization configs, scoring
+it). The release's FP8 (e4m3, a ue8m0 scale per 128x128 block) and FP4 experts (e2m1, a
+scale per 32 inputs of a row), their scales named ``.scale``, and compressed-tensors
+checkpoints are dequantized to float on load (quant/formats.py reads them). Refused: other
+quantization methods, scoring
 functions other than sqrtsoftplus / sigmoid, MTP layers that are not sliding-window layers,
 and config fields transformers ignores or computes differently (n_shared_experts != 1,
 norm_topk_prob false, rope scaling other than YaRN on compressed layers).
@@ -65,7 +71,7 @@ from .cache import KVCache, ModelCache
 from .config import ConfigBase, ConfigError, require
 from .layers import RMSNorm, Rotary
 from .moe import run_experts, split_fused_experts
-from .mtp import MTPSpec
+from .mtp import DraftLayers, MTPSpec
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention")
@@ -132,9 +138,7 @@ class DeepseekV4Config(ConfigBase):
         if any(k.startswith("dspark_") for k in d):
             fail("this checkpoint carries a DSpark block drafter under mtp.* (dspark_* "
                  "fields), which mtpkit does not run yet; see docs/dspark.md")
-        if d.get("quantization_config"):
-            fail("quantized DeepSeek-V4 weights (the release's FP8 / FP4 format) are not "
-                 "supported yet; use a BF16 checkpoint")
+        _check_quantization(d, fail)
         n = d["num_hidden_layers"]
         m = int(d.get("num_nextn_predict_layers") or 0)
         ratios = d.get("compress_ratios")
@@ -262,6 +266,33 @@ class DeepseekV4Config(ConfigBase):
                 self.fail(f"compress_rates[{t}] must be positive")
         if self.sliding_window <= 0:
             self.fail("sliding_window must be positive")
+
+
+# quantization_config methods whose tensors mtpkit reads (and dequantizes) for this family:
+# the release's block-scaled FP8 with FP4 experts, and compressed-tensors (mtpkit quantize).
+_QUANT_METHODS = ("fp8", "deepseek_v4_fp8", "compressed-tensors")
+
+
+def _check_quantization(d: dict, fail) -> None:
+    """Refuse quantization configs whose tensors this family cannot read."""
+    q = d.get("quantization_config")
+    if d.get("expert_dtype", "fp4") not in ("fp4", "fp8"):
+        fail(f"expert_dtype={d['expert_dtype']!r} is not a DeepSeek-V4 expert format (fp4 "
+             "or fp8)")
+    if not q:
+        return
+    method = str(q.get("quant_method", "")).lower()
+    if method not in _QUANT_METHODS:
+        fail(f"quantization_config.quant_method={method!r} is not supported for DeepSeek-V4 "
+             f"(only {', '.join(_QUANT_METHODS)}); use the release's FP8 / FP4 or a BF16 "
+             "checkpoint")
+    if method != "compressed-tensors":
+        if str(q.get("fmt", "e4m3")).lower() != "e4m3":
+            fail(f"quantization_config.fmt={q['fmt']!r} is not supported (only e4m3, as "
+                 "released)")
+        if str(q.get("scale_fmt", "ue8m0")).lower() not in ("ue8m0", "float"):
+            fail(f"quantization_config.scale_fmt={q['scale_fmt']!r} is not supported (ue8m0 "
+                 "or float)")
 
 
 class HalfRotary(Rotary):
@@ -701,7 +732,7 @@ class V4MTPLayer(nn.Module):
         return self.norm(self.hc_head(out)), out
 
 
-class V4MTP(nn.Module):
+class V4MTP(DraftLayers, nn.Module):
     """The MTP layers; draft step s runs layer ``layer_for(s)`` (as every family)."""
 
     def __init__(self, cfg: DeepseekV4Config) -> None:
@@ -712,10 +743,9 @@ class V4MTP(nn.Module):
                             chain_hidden="pre_norm", eps=cfg.rms_norm_eps,
                             zero_first_embedding=True, own_combine=True)
         self.layers = nn.ModuleList(V4MTPLayer(cfg, k) for k in cfg.mtp_layer_types)
-
-    def layer_for(self, step: int) -> int:
-        """Layer ``step``, past the last the last (see MTPHead.layer_for)."""
-        return min(step, len(self.layers) - 1)
+        # No own output heads: vLLM's MTP proposer swaps every layer's shared_head.head
+        # (loaded from mtp.{i}.head) for the trunk's lm_head, which scores the drafts here too.
+        self.heads = nn.ModuleDict()
 
 
 # Release names below layers.{i}. / mtp.{i}. -> transformers' names, applied in order
@@ -806,11 +836,15 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def map_checkpoint_name(self, name: str) -> str | None:
         """Release names (``layers.{i}.attn.*``, ``mtp.{i}.*``...) -> ours."""
-        # The release's FP8 / FP4 scales end in ".scale"; transformers' hc scales do too.
+        # The release's FP8 / FP4 scales end in ".scale" (transformers' hc scales do too);
+        # the quantized-module scan takes them when the config says quant_method fp8, so
+        # one that gets here has no such config and its weight would load unscaled.
         if name.endswith(".scale") and not name.endswith(("attn_hc.scale", "ffn_hc.scale")):
             raise CheckpointError(
-                f"{name}: DeepSeek-V4's FP8 / FP4 release tensors are not supported yet; "
-                "use a BF16 checkpoint")
+                f"{name}: a DeepSeek-V4 FP8 / FP4 block scale, but config.json has no "
+                "quantization_config with quant_method fp8; restore the release's "
+                "quantization_config (quant_method fp8, fmt e4m3, scale_fmt ue8m0, "
+                "weight_block_size [128, 128])")
         if name in _NATIVE_TOP:
             return _NATIVE_TOP[name]
         # transformers' save_pretrained writes the release's block names below model.;
@@ -831,6 +865,30 @@ class DeepseekV4ForCausalLM(CausalLM):
                 return f"mtp.layers.{i}.{_MTP_HEAD[rest]}"
             return f"mtp.layers.{i}.block.{native_block_name(rest)}"
         return super().map_checkpoint_name(name)
+
+    def _install_quantized(self, plan, ckpt, report) -> dict[str, str]:
+        """Nothing: every module stored quantized is dequantized into its float Linear (the
+        release's FP8 / FP4 and compressed-tensors alike), through load_checkpoint's
+        _read_float."""
+        # The family's compressors, hyper-connections and MoE run in float here, and
+        # mtpkit's quantized kernels serve the plain-GQA families' fast path only.
+        return {}
+
+    def _warn_unquantized(self, plan, by_module, report, overlaid=()) -> None:
+        # Only what vLLM builds quantized can be the config's to cover: the release stores
+        # the compressors, the indexer's weights_proj and the heads in float, and vLLM builds
+        # them without a quantization config (heads: unless a target names them).
+        from ..checkpoint.runtime_names import describe
+
+        cfg = {"num_hidden_layers": self.config.num_hidden_layers}
+
+        def built_quantized(ckpt_name: str) -> bool:
+            rt = describe(ckpt_name.rpartition(".")[0], "deepseek_v4", config=cfg)
+            return rt.quantizable and not rt.by_name_only
+
+        kept = {m: c for m, c in by_module.items()
+                if m.endswith(".weight") and built_quantized(c)}
+        super()._warn_unquantized(plan, kept, report, overlaid)
 
     def split_checkpoint_tensor(self, name: str, tensor_fn):
         """transformers' stacked experts (gate_up_proj [E, 2I, D], down_proj) -> per expert."""

@@ -44,6 +44,8 @@ class LlamaConfig(ConfigBase):
     hidden_act: str = "silu"
     # MTP head trained for this trunk (0: none)
     num_nextn_predict_layers: int = 0
+    # An EAGLE-3 head instead (models/eagle3.py): {"aux_layers": [...], "draft_vocab_size": N}
+    eagle3: dict | None = None
 
     @classmethod
     def from_hf_config(cls, d: dict) -> LlamaConfig:
@@ -73,6 +75,7 @@ class LlamaConfig(ConfigBase):
             num_nextn_predict_layers=int(
                 d.get("num_nextn_predict_layers") or d.get("mtp_num_hidden_layers") or 0
             ),
+            eagle3=d.get("mtpkit_eagle3"),
         )
         cfg.validate()
         return cfg
@@ -129,6 +132,10 @@ class LlamaForCausalLM(CausalLM):
             spec = MTPSpec(cfg.num_nextn_predict_layers, eps=cfg.rms_norm_eps,
                            emb_first=not mimo, zero_first_embedding=mimo, own_combine=mimo)
             self.mtp = MTPHead(cfg.hidden_size, spec, lambda i: LlamaDecoderLayer(cfg))
+        if cfg.eagle3:
+            from .eagle3 import Eagle3Head
+
+            self.mtp = Eagle3Head(cfg, cfg.eagle3["aux_layers"], cfg.eagle3["draft_vocab_size"])
 
     # DeepSeek-style names of an MTP layer (what GGUF's blk.N.nextn.* maps back to).
     _NEXTN = NEXTN_NAMES

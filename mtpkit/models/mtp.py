@@ -6,15 +6,26 @@ output when chaining), then runs one decoder block with its own KV cache:
 
     x_i = fc(concat[norm_e(emb(t_{i+1})), norm_h(h_i)])      (Qwen3-Next / DeepSeek order)
     x_i = fc(concat[norm_h(h_i), norm_e(emb(t_{i+1}))])      (MiMo order)
-    g_i = norm(block(x_i))  -> logits with the trunk's lm_head -> a guess for t_{i+2}
+    g_i = norm(block(x_i))  -> logits by its output head (below) -> a guess for t_{i+2}
 
 Module names are Qwen3.5's ``mtp.*`` names; other layouts are renamed on load by their family.
 
-Several MTP layers: draft step s runs layer ``layer_for(s)``: layer s while there is one,
-then the last layer again (see ``MTPHead.layer_for``). Qwen3.5 shares one combine and final
-norm across its blocks (``mtp.fc``, ``mtp.layers.{i}``); DeepSeek-style and MiMo layers each
-carry their own (``MTPSpec.own_combine``): layer 0's under the shared names, layer i's (i >= 1)
-under ``mtp.per_layer.{i}.*``.
+Several MTP layers: draft step s runs layer ``layer_for(s, n)``: layer s while there is one,
+then layers 0, 1... again, as vLLM cycles (every family's head, DeepSeek-V4's included,
+calls this one function). Qwen3.5 shares one combine and final norm across its blocks
+(``mtp.fc``, ``mtp.layers.{i}``); DeepSeek-style and MiMo layers each carry their own
+(``MTPSpec.own_combine``): layer 0's under the shared names, layer i's (i >= 1) under
+``mtp.per_layer.{i}.*``.
+
+Output heads: draft logits come from ``CausalLM.draft_logits(state, step)``, which scores
+with layer ``layer_for(step)``'s own head ``mtp.heads.{i}`` where it has one, else with the
+trunk's lm_head. Only heads whose engine drafts with each layer's own copy build them
+(``MTPSpec.own_heads``: Step-3.5 / 3.7's ``transformer.shared_head.output``, which vLLM's
+Step3p5MTP proposer keeps); after loading, a copy equal to the lm_head (or absent from the
+checkpoint) is dropped and the lm_head serves, so the common case holds no second matrix.
+DeepSeek-style and DeepSeek-V4 layers carry copies too (``shared_head.head``, ``mtp.{i}.head``)
+but vLLM's MTP proposer replaces each with the trunk's lm_head after loading them, so those
+families map them to None and draft with the lm_head as well.
 """
 
 from __future__ import annotations
@@ -47,6 +58,40 @@ class MTPSpec:
     # Every layer has its own combine norms, projection and final norm (DeepSeek-style,
     # MiMo); False: one set shared by every block (Qwen3-Next / 3.5).
     own_combine: bool = False
+    # Every layer may score its drafts with its own output head (mtp.heads.{i}), read from
+    # the checkpoint's per-layer copy of the lm_head (Step-3.5 / 3.7).
+    own_heads: bool = False
+
+
+def layer_for(step: int, num_layers: int) -> int:
+    """The MTP layer that runs draft step ``step``: layer ``step``, then cycling
+    (``step % num_layers``), as vLLM does.
+
+    Layer i is trained (DeepSeek-V3's sequential MTP, MiMo's and Step's heads alike) at
+    depth i + 1 only, each layer after the first on its predecessor's output. Past the last
+    layer, cycling gives every layer but the first that same input again, where reusing the
+    last layer would feed it its own output at every further step; on a small trained model
+    cycling drafted better from the fourth position on (docs/architecture.md). The drafts
+    only decide speed, never the output.
+    """
+    return step % num_layers
+
+
+class DraftLayers:
+    """What every family's MTP module shares (mixin): which layer and which output head
+    serve a draft step."""
+
+    layers: nn.ModuleList
+    heads: nn.ModuleDict
+
+    def layer_for(self, step: int) -> int:
+        """The MTP layer that runs draft step ``step`` (see ``layer_for``)."""
+        return layer_for(step, len(self.layers))
+
+    def own_head(self, step: int) -> nn.Module | None:
+        """The output head of draft step ``step``'s layer; None: the trunk's lm_head."""
+        key = str(self.layer_for(step))
+        return self.heads[key] if key in self.heads else None
 
 
 class MTPCombine(nn.Module):
@@ -62,11 +107,12 @@ class MTPCombine(nn.Module):
         self.norm = RMSNorm(hidden_size, spec.eps, zc)
 
 
-class MTPHead(nn.Module):
+class MTPHead(DraftLayers, nn.Module):
     """Combine, one decoder block per layer, final norm; draft step s runs layer_for(s)."""
 
     def __init__(
-        self, hidden_size: int, spec: MTPSpec, make_layer: Callable[[int], nn.Module]
+        self, hidden_size: int, spec: MTPSpec, make_layer: Callable[[int], nn.Module],
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -81,17 +127,14 @@ class MTPHead(nn.Module):
             {str(i): MTPCombine(hidden_size, spec) for i in range(1, spec.num_layers)}
             if spec.own_combine else {}
         )
-
-    def layer_for(self, step: int) -> int:
-        """The MTP layer that runs draft step ``step``: layer ``step``, past the last the last.
-
-        Layer i was trained (DeepSeek-V3's sequential MTP, MiMo's and Step's heads alike) to
-        predict token t+i+2 from layer i-1's output state, and only layer 0 from the trunk's:
-        past the last layer the input is again a head's own output, which the last layer has
-        seen in training and layer 0 has not. vLLM cycles (``step % n``) instead; with one
-        layer both rules are the same, and the drafts only decide speed, never the output.
-        """
-        return min(step, len(self.layers) - 1)
+        # Layer i's own output head; the loader drops those equal to the lm_head or absent
+        # from the checkpoint (CausalLM.load_checkpoint), leaving the lm_head to serve.
+        if spec.own_heads and vocab_size is None:
+            raise ValueError("MTPSpec.own_heads needs the vocabulary size")
+        self.heads = nn.ModuleDict(
+            {str(i): nn.Linear(hidden_size, vocab_size, bias=False)
+             for i in range(spec.num_layers)} if spec.own_heads else {}
+        )
 
     def parts(self, i: int) -> nn.Module:
         """The module holding layer i's combine norms, ``fc`` and final ``norm``."""
@@ -158,7 +201,9 @@ def map_nextn_name(name: str, num_hidden_layers: int, num_mtp_layers: int | None
 
     Returns the name unchanged when it is not an MTP layer's (or belongs to a layer at or past
     ``num_mtp_layers``, which the caller then reports as unused), None for the copies of the
-    trunk's lm_head / embedding that such a layer may carry (the head shares the trunk's).
+    trunk's lm_head / embedding that such a layer may carry: vLLM's MTP proposer replaces a
+    DeepSeek-style layer's shared_head.head with the trunk's lm_head after loading it, so the
+    drafts are scored by the lm_head here too.
     """
     m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
     if not m or int(m[1]) < num_hidden_layers:

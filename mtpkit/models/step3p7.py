@@ -35,8 +35,11 @@ block's output before shared_head.norm, no embedding is zeroed. transformers' Mt
 differs: it feeds the trunk's normed state and chains shared_head.norm's output, and builds a
 sliding MTP layer with ``num_attention_heads`` rather than the sliding heads (so it cannot
 load the release's MTP layers when the two counts differ); given the same inputs, each layer
-computes what transformers' MtpLayer computes. ``shared_head.output`` (vLLM's per-layer copy
-of the lm_head) is not read: the trunk's lm_head serves, as in transformers.
+computes what transformers' MtpLayer computes. ``shared_head.output`` is layer i's own output
+head (``mtp.heads.{i}``): vLLM's Step3p5MTP loads it as the layer's shared_head.head and its
+proposer keeps it (it does not swap in the trunk's lm_head as the other MTP families' does),
+so layer i's drafts are scored by it. Where it equals the lm_head (the release), or is absent,
+the loader drops it and the lm_head serves; transformers always uses the lm_head.
 """
 
 from __future__ import annotations
@@ -395,9 +398,9 @@ class Step3p7ForCausalLM(CausalLM):
         if cfg.mtp:
             spec = MTPSpec(len(cfg.mtp), emb_first=True, trunk_hidden="pre_norm",
                            chain_hidden="pre_norm", zero_centered=True, eps=cfg.rms_norm_eps,
-                           own_combine=True)
+                           own_combine=True, own_heads=True)
             self.mtp = MTPHead(cfg.hidden_size, spec,
-                               lambda i: Step3p7DecoderLayer(cfg, cfg.mtp[i]))
+                               lambda i: Step3p7DecoderLayer(cfg, cfg.mtp[i]), cfg.vocab_size)
 
     def packable(self) -> bool:
         """Not a plain-GQA trunk: its layers rotate and attend in their own ways."""
@@ -428,8 +431,11 @@ class Step3p7ForCausalLM(CausalLM):
         if i >= self.config.num_nextn_predict_layers:
             return name  # reported as unused
         rest = rest.removeprefix("transformer.")
-        if rest.startswith(("shared_head.output", "shared_head.head", "embed_tokens")):
-            return None  # copies of the trunk's lm_head / embedding
+        # vLLM reads shared_head.output as shared_head.head (GGUF's nextn.shared_head_head).
+        if rest in ("shared_head.output.weight", "shared_head.head.weight"):
+            return f"mtp.heads.{i}.weight"
+        if rest.startswith("embed_tokens"):
+            return None  # a copy of the trunk's embedding
         own, _, param = rest.rpartition(".")
         if own in _MTP_OWN:
             return own_name(i, f"{_MTP_OWN[own]}.{param}")

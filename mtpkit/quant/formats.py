@@ -13,6 +13,10 @@ Formats, recognised by tensor names (suffixes of a module's prefix):
 - compressed-tensors int-quantized: weight (int8), weight_scale [, weight_zero_point]
 - compressed-tensors float-quantized: weight (e4m3), weight_scale [, input_scale]
 - DeepSeek native FP8: weight (e4m3), weight_scale_inv (one scale per 128x128 block)
+- DeepSeek-V4 release (quant_method fp8): weight, scale; the weight is e4m3 with a scale per
+  weight_block_size block, or FP4 (routed experts: e2m1 codes two to a byte, the first in the
+  low nibble, stored as int8) with a scale per 32 input features of each row. Scales are
+  float32 or, with scale_fmt ue8m0, powers of two (float8_e8m0fnu, or its raw bytes).
 - GPTQ: qweight, qzeros, scales [, g_idx]   (packed along the input dimension)
 - AWQ: qweight, qzeros, scales              (packed along the output dimension)
 """
@@ -38,6 +42,15 @@ _FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "fp8-block-inv": (("weight", "weight_scale_inv"), ("bias",)),
     "scaled": (("weight", "weight_scale"), ("weight_zero_point", "input_scale", "bias")),
 }
+# The DeepSeek-V4 release names a module's block scale ``scale``; it is read as the
+# weight_scale_inv of DeepSeek's FP8 format (transformers and vLLM rename it so on load).
+_SCALE_ALIASES = {"scale": "weight_scale_inv"}
+_FP8_METHODS = ("fp8", "deepseek_v4_fp8")
+# FP4 (e2m1) code -> value; bit 3 is the sign.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_DTYPES = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None))
+                   if d is not None)
 # AWQ packs eight 4-bit values per int32 in this order of output columns.
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -91,11 +104,18 @@ def scan(ckpt) -> QuantPlan:
     method = str(qcfg.get("quant_method", "")).lower()
     plan = QuantPlan(config=qcfg)
     by_prefix: dict[str, set[str]] = {}
+    aliases = _SCALE_ALIASES if method in _FP8_METHODS else {}
     for n in names:
         prefix, _, suffix = n.rpartition(".")
         by_prefix.setdefault(prefix, set()).add(suffix)
     for prefix, suffixes in by_prefix.items():
         fmt = None
+        # A bare ``scale`` beside a ``weight`` only (hyper-connection scales have no weight).
+        stored = {aliases.get(x, x): x for x in suffixes} if "weight" in suffixes else {}
+        if any(k != v for k, v in stored.items()):
+            suffixes = set(stored)
+        else:
+            stored = {x: x for x in suffixes}
         if "weight_packed" in suffixes:
             fmt = "pack-quantized"
         elif "qweight" in suffixes:
@@ -115,7 +135,7 @@ def scan(ckpt) -> QuantPlan:
                 "incomplete or mis-exported. mtpkit will not run a module on partial weights; "
                 "re-export it or take the module from the original release (mtpkit graft)."
             )
-        tensors = {s: f"{prefix}.{s}" for s in (*required, *optional) if s in suffixes}
+        tensors = {s: f"{prefix}.{stored[s]}" for s in (*required, *optional) if s in suffixes}
         plan.modules[prefix] = QuantSpec(prefix, fmt, tensors)
     return plan
 
@@ -132,9 +152,7 @@ def read_module(spec: QuantSpec, ckpt, qcfg: dict) -> QuantLinear:
         elif spec.fmt == "awq":
             q = _awq(t, qcfg, bias)
         elif spec.fmt == "fp8-block-inv":
-            block = qcfg.get("weight_block_size") or (128, 128)
-            q = QuantLinear.from_fp8(t["weight"], t["weight_scale_inv"],
-                                     (int(block[0]), int(block[1])), bias)
+            q = _fp8_block(t["weight"], t["weight_scale_inv"], qcfg, bias)
         else:
             q = _scaled(t, qcfg, bias)
         q.act_quant, q.act_note = activation_scheme(spec.prefix, qcfg, q)
@@ -144,6 +162,33 @@ def read_module(spec: QuantSpec, ckpt, qcfg: dict) -> QuantLinear:
             f"{ckpt.path}: cannot read quantized module {spec.prefix} ({spec.fmt}): {e}. "
             "Is quantization_config in config.json the one these tensors were written with?"
         ) from e
+
+
+def _fp8_block(weight: torch.Tensor, scale: torch.Tensor, qcfg: dict, bias) -> QuantLinear:
+    """DeepSeek's block-scaled FP8, or the V4 release's FP4 experts (as FP8: every e2m1
+    value is an e4m3 value, so one layout serves both and dequantizes the same)."""
+    if scale.dtype == torch.uint8:
+        if str(qcfg.get("scale_fmt", "")).lower() != "ue8m0":
+            raise ValueError("uint8 scales are only known as ue8m0 exponents, and the "
+                             "config's scale_fmt is not ue8m0")
+        scale = torch.exp2(scale.float() - 127)
+    if weight.dtype in FP4_DTYPES:
+        weight = unpack_fp4(weight)
+        n, k = weight.shape
+        if scale.dim() != 2 or n % scale.shape[0] or k % scale.shape[1]:
+            raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not tile the "
+                             f"{n}x{k} weight in groups")
+        return QuantLinear.from_fp8(weight, scale, (n // scale.shape[0], k // scale.shape[1]),
+                                    bias)
+    block = qcfg.get("weight_block_size") or (128, 128)
+    return QuantLinear.from_fp8(weight, scale, (int(block[0]), int(block[1])), bias)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """FP4 codes two to a byte (first in the low nibble) [N, K/2] -> e4m3 values [N, K]."""
+    u8 = packed.contiguous().view(torch.uint8)
+    codes = torch.stack([u8 & 0xF, u8 >> 4], dim=-1).flatten(-2).long()
+    return torch.tensor(FP4_E2M1_VALUES)[codes].to(torch.float8_e4m3fn)
 
 
 def _perm_for(g_idx: torch.Tensor | None, k: int, group: int | None):

@@ -281,14 +281,16 @@ class _Layout:
     def never_quantized(self, prefix: str) -> bool:
         """A module vLLM or SGLang builds without a quantization config (describe(...)
         .quantizable is False: eh_proj, routers, GLM-5's indexer wk / weights_proj, Step's
-        g_proj in SGLang), which that engine therefore loads only from float weights: kept
-        float, one checkpoint serves both."""
+        g_proj in SGLang, DeepSeek-V4's wo_a there), or whose loader reads only float
+        tensors for it (``loads_quantized`` False: SGLang's fused DeepSeek-V4 wqkv_a), which
+        that engine therefore loads only from float weights: kept float, one checkpoint
+        serves both."""
         from ..checkpoint.runtime_names import describe
 
         try:
-            return any(not describe(prefix, self.raw_model_type, engine,
-                                    config=self.raw).quantizable
-                       for engine in ("vllm", "sglang"))
+            rts = [describe(prefix, self.raw_model_type, engine, config=self.raw)
+                   for engine in ("vllm", "sglang")]
+            return any(not rt.quantizable or not rt.loads_quantized for rt in rts)
         except ValueError:
             return False
 
@@ -315,8 +317,9 @@ def _plan(ckpt, layout: _Layout, scheme: Scheme, mtp_scheme: Scheme | None,
         if linear is None:
             continue
         prefix, is_mtp = linear
-        # vLLM builds every head (lm_head, a DeepSeek/GLM MTP layer's shared_head.head) as a
-        # ParallelLMHead that "Linear" does not reach: heads follow --lm-head, MTP or not.
+        # vLLM builds every head (lm_head, a DeepSeek/GLM MTP layer's shared_head.head, a Step
+        # layer's shared_head.output, mtpkit's mtp.heads.{i}) as a ParallelLMHead that
+        # "Linear" does not reach: heads follow --lm-head, MTP or not.
         if layout.is_head(prefix):
             use = lm_head
         else:

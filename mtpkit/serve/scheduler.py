@@ -118,8 +118,9 @@ class _TurnModel:
 def _concat(outs: list[TrunkOutput]) -> TrunkOutput:
     if len(outs) == 1:
         return outs[0]
+    aux = None if outs[0].aux is None else torch.cat([o.aux for o in outs], 1)
     return TrunkOutput(torch.cat([o.hidden for o in outs], 1),
-                       torch.cat([o.pre_norm for o in outs], 1))
+                       torch.cat([o.pre_norm for o in outs], 1), aux)
 
 
 class _Slot:

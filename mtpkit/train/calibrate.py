@@ -2,7 +2,11 @@
 
 The head's target at position i is the trunk's own distribution for the token after next
 (and one further per chained depth), not the corpus token: the head learns what this trunk
-will accept. Embeddings and the lm_head are the trunk's, shared and frozen. Runs alone or
+will accept. Embeddings and the lm_head are the trunk's, shared and frozen; so are the output
+heads of MTP layers that carry their own (``mtp.heads.{i}``, Step's per-layer copies of the
+lm_head): a vocabulary-sized matrix is most of a layer's weights, the release trained it with
+the trunk, and the engines score drafts with it as shipped, so the head's blocks learn to
+serve it rather than it to serve a few tokens of calibration text. Runs alone or
 data-parallel under torchrun (gloo on CPU, NCCL on GPU).
 """
 
@@ -53,6 +57,10 @@ class CalibrateConfig:
     epochs: float = 1.0
     top_k: int = 32  # teacher entries kept per position in the cache
     split: dict = field(default_factory=dict)
+    # "mtp" (fc over [embedding, final state], the trunk's lm_head) or "eagle3" (fc over three
+    # trunk states, its own lm_head over the draft vocabulary: train/eagle3.py)
+    head_type: str = "mtp"
+    aux_layers: list[int] | None = None  # an EAGLE-3 head's trunk layer ids (None: vLLM's)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -74,8 +82,9 @@ def init_scratch_head(model, sample: torch.Tensor | None = None) -> None:
         scale = float(pre.norm(dim=-1).mean()) / model.config.hidden_size**0.5
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in head.parameters():
-            p.zero_()
+        for name, p in head.named_parameters():
+            if not name.startswith("heads."):  # the release's own output heads are kept
+                p.zero_()
         head.layers[0].load_state_dict(model.model.layers[-1].state_dict())
         d = model.config.hidden_size
         head.pre_fc_norm_embedding.weight.fill_(1.0)
@@ -95,7 +104,8 @@ def chained_head_logits(model, head, ids: torch.Tensor, hidden: torch.Tensor, de
 
     ``hidden`` [B, T, D] is the trunk state the head reads at depth 1; deeper steps read the
     head's own state, as drafting chains them. ``head`` is the module to call (a
-    DistributedDataParallel wrapper under torchrun); ``logits_fn`` maps head states to logits.
+    DistributedDataParallel wrapper under torchrun); ``logits_fn(states, step)`` maps draft
+    step ``step``'s head states to logits (``model.draft_logits``: its layer's output head).
     """
     spec = model.mtp.spec
     t = ids.shape[1]
@@ -107,7 +117,7 @@ def chained_head_logits(model, head, ids: torch.Tensor, hidden: torch.Tensor, de
             torch.arange(n, device=ids.device))
         emb = model.model.embed_tokens(ids[:, d : d + n]).detach()
         post, pre = head(emb, hidden[:, :n], d - 1, cos, sin, None)
-        yield d, n, logits_fn(post)
+        yield d, n, logits_fn(post, d - 1)
         hidden = post if spec.chain_hidden == "post_norm" else pre
 
 
@@ -118,6 +128,10 @@ def distill_loss(
 
     ``head`` is the module to call (a DistributedDataParallel wrapper under torchrun).
     """
+    if getattr(model.mtp, "head_type", None) == "eagle3":
+        from .eagle3 import loss
+
+        return loss(model, ids, depth, head)
     head = head if head is not None else model.mtp
     with torch.no_grad():
         out = model(ids)
@@ -125,7 +139,8 @@ def distill_loss(
         hidden = out.for_mtp(model.mtp.spec.trunk_hidden)
     total = torch.zeros((), device=ids.device)
     agree = count = 0
-    for d, n, logits in chained_head_logits(model, head, ids, hidden, depth, model.logits):
+    for d, n, logits in chained_head_logits(model, head, ids, hidden, depth,
+                                            model.draft_logits):
         target = teacher[:, d : d + n]
         total = total + -(target.exp() * torch.log_softmax(logits, -1)).sum(-1).mean()
         if d == 1:
@@ -151,18 +166,28 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
     if native:
         _check_native_out(Path(cfg.model), Path(cfg.out))
     loaded = load_model(cfg.model, device=cfg.device, dtype="float32",
-                        head=cfg.head, new_head_layers=1 if new else 0)
+                        head=cfg.head,
+                        new_head_layers=1 if new and cfg.head_type != "eagle3" else 0)
     model, tok = loaded.model, loaded.tokenizer
-    if model.mtp is None:
+    if model.mtp is None and not (new and cfg.head_type == "eagle3"):
         raise ValueError(
             f"{cfg.model}: --init head needs a head (the checkpoint has none; pass --head DIR "
             "or use --init scratch)"
         )
-    if new:
+    if new and cfg.head_type == "eagle3":
+        _new_eagle3_head(cfg, model, tok, train_files)
+    elif new:
         first = next(iter_chunks(tok, train_files, cfg.seq_len), None)
         init_scratch_head(model, torch.tensor([first], device=cfg.device) if first else None)
     head = model.mtp
-    head.train().requires_grad_(True)
+    if cfg.features and getattr(head, "head_type", None) == "eagle3":
+        raise ValueError("--features caches the trunk's final state, not the three states an "
+                         "EAGLE-3 head reads: drop --features for --head-type eagle3")
+    head.train()
+    for p in head.parameters():  # an EAGLE-3 head's d2t is integer, and fixed
+        p.requires_grad_(p.is_floating_point())
+    if hasattr(head, "heads"):
+        head.heads.requires_grad_(False)  # frozen as the lm_head is (the module docstring)
     trainable = head
     if world > 1:
         trainable = torch.nn.parallel.DistributedDataParallel(head)
@@ -252,8 +277,28 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
                     else out / "mtpkit_calibration.json")
             note.write_text(json.dumps(summary, indent=2, default=str))
         else:
+            if getattr(head, "head_type", None) == "eagle3":
+                from .eagle3 import head_config
+
+                # Its vocabulary is its d2t; a draft_vocab.json would say another.
+                summary.update(head_config(model))
+                vocab = None
             save_head(head, out, summary, vocab)
     return head
+
+
+def _new_eagle3_head(cfg: CalibrateConfig, model, tok, files) -> None:
+    """Count the draft vocabulary over the tokens the run will read, then build the head."""
+    from . import eagle3, features
+
+    n = cfg.draft_vocab or model.config.vocab_size
+    counts = features.count_tokens(tok, files, cfg.seq_len, cfg.tokens or 10**6,
+                                   model.config.vocab_size)
+    vocab = top_tokens(counts, n)
+    if len(vocab) < n:  # fill with unseen ids so the head has the rows asked for
+        seen = set(vocab)
+        vocab += [t for t in range(model.config.vocab_size) if t not in seen][: n - len(vocab)]
+    eagle3.new_head(model, vocab, cfg.aux_layers)
 
 
 def check_config(cfg: CalibrateConfig) -> None:
@@ -274,6 +319,13 @@ def check_config(cfg: CalibrateConfig) -> None:
         (cfg.draft_vocab >= 0, f"--draft-vocab must be >= 0, got {cfg.draft_vocab}"),
         (cfg.epochs > 0, f"--epochs must be > 0, got {cfg.epochs}"),
         (cfg.top_k >= 1, f"--teacher-top-k must be >= 1, got {cfg.top_k}"),
+        (cfg.head_type in ("mtp", "eagle3"),
+         f"--head-type must be mtp or eagle3, got {cfg.head_type!r}"),
+        (cfg.head_type == "eagle3" or cfg.aux_layers is None,
+         "--aux-layers applies to --head-type eagle3 only"),
+        (not (cfg.head_type == "eagle3" and cfg.features),
+         "--features caches the trunk's final state, not the three states an EAGLE-3 head "
+         "reads: drop --features for --head-type eagle3"),
     ]
     for ok, message in checks:
         if not ok:

@@ -74,12 +74,15 @@ def teacher_eval(
     """Per-position acceptance of k chained greedy drafts, batched over corpus chunks.
 
     With ``draft_vocab`` the drafts come from that token subset, as when decoding."""
-    # The draft vocabulary's lm_head rows in the lm_head's own form (int8 codes stay codes),
-    # as the engine drafts with them; lm_head.weight would dequantize the whole matrix.
+    # The draft vocabulary's rows of each step's output head in that head's own form (int8
+    # codes stay codes), as the engine drafts with them; .weight would dequantize it whole.
     sub = vocab = None
     if draft_vocab is not None:
         vocab = draft_vocab.to(model.model.embed_tokens.weight.device)
-        sub = linear_rows(model.lm_head, vocab)
+        sub = [linear_rows(model.draft_head(s), vocab) for s in range(k)]
+    if getattr(model.mtp, "head_type", None) == "eagle3":
+        # Its own lm_head scores its own draft vocabulary (rows -> token ids by d2t).
+        vocab, sub = model.mtp.target_ids(), [model.mtp.lm_head] * k
     rep = TeacherReport(passed=[0] * k, tried=[0] * k)
     spec = model.mtp.spec
     t0 = time.perf_counter()
@@ -111,9 +114,9 @@ def teacher_eval(
         for s in range(1, k + 1):
             post, pre = model.mtp(model.model.embed_tokens(tokens), hidden, s - 1, cos, sin, None)
             if sub is None:
-                draft = model.logits(post).argmax(-1)
+                draft = model.draft_logits(post, s - 1).argmax(-1)
             else:
-                draft = vocab[sub(post).argmax(-1)]
+                draft = vocab[sub[s - 1](post).argmax(-1)]
             ok = draft == greedy[:, s : s + n]
             rep.tried[s - 1] += int(alive.sum())
             rep.passed[s - 1] += int((alive & ok).sum())

@@ -16,7 +16,10 @@ from ..quant.formats import scan
 
 
 def head_on_disk_names(model, ckpt) -> dict[str, torch.Tensor]:
-    """The model's MTP parameters under the names the checkpoint stores them (float)."""
+    """The model's MTP parameters under the names the checkpoint stores them (float), with
+    the MTP layers' copies of the trunk's lm_head / embedding the model shares (unchanged)."""
+    from ..doctor.layout import is_mtp_tensor
+
     params = {n: p for n, p in model.named_parameters() if n.startswith("mtp.")}
     plan = scan(ckpt)
     out: dict[str, torch.Tensor] = {}
@@ -24,9 +27,16 @@ def head_on_disk_names(model, ckpt) -> dict[str, torch.Tensor]:
         prefix = name.rpartition(".")[0]
         if prefix in plan.modules:  # a quantized head module comes back as a float weight
             name = prefix + ".weight"
+        if name in out:
+            continue
         mapped = model.map_checkpoint_name(name)
-        if mapped in params and name not in out:
+        if mapped in params:
             out[name] = params[mapped].detach().cpu()
+        elif (mapped is None or mapped.startswith("mtp.heads.")) and is_mtp_tensor(
+                name, model.config.num_hidden_layers):
+            # Frozen in training, and the graft replaces every MTP tensor: engines that read
+            # them (vLLM's Step draft heads) must find them in the output as in the input.
+            out[name] = model._read_float(plan, ckpt, name)
     missing = set(params) - {model.map_checkpoint_name(n) for n in out}
     if missing:
         raise ValueError(
@@ -147,6 +157,9 @@ def export_head(model_path, head, out, fmt: str = "mimo", dtype: str = "bfloat16
     loaded = load_model(str(model_path), head=None if head is None else str(head),
                         dtype="float32", tokenizer=False)
     model = loaded.model
+    if getattr(model.mtp, "head_type", None) == "eagle3":
+        raise ValueError("export-head: this is an EAGLE-3 head, which MiMo's layout cannot "
+                         "hold; use --format eagle3")
     tensors = mimo_tensors(model)
     src = Path(model_path)
     config = dict(hf_config_of(loaded.checkpoint))

@@ -232,14 +232,17 @@ def cached_loss(model, batch: dict[str, torch.Tensor], depth: int, vocab: torch.
     dev = model.model.embed_tokens.weight.device
     ids = batch["ids"].to(dev, torch.long)
     hidden = batch["hidden"].to(dev, torch.float32)
-    # Only the draft vocabulary's rows, dequantized on their own: a quantized lm_head's
-    # .weight would build and keep the whole float matrix (113 MB for SmolLM2's).
-    w = linear_rows(model.lm_head, vocab.to(dev)).weight.detach()
+    # Only the draft vocabulary's rows of each depth's output head, dequantized on their
+    # own: a quantized lm_head's .weight would build and keep the whole float matrix (113 MB
+    # for SmolLM2's).
+    heads = [model.draft_head(s) for s in range(depth)]
+    rows = {id(h): linear_rows(h, vocab.to(dev)).weight.detach()
+            for h in {id(h): h for h in heads}.values()}
     total = torch.zeros((), device=dev)
     agree = count = 0
     for d, n, logits in chained_head_logits(
             model, head, ids, hidden, depth,
-            lambda post: torch.nn.functional.linear(post, w).float()):
+            lambda post, s: torch.nn.functional.linear(post, rows[id(heads[s])]).float()):
         logp = torch.log_softmax(logits, -1)
         idx = batch["top_idx"][:, d: d + n].to(dev, torch.long)
         p = batch["top_logp"][:, d: d + n].to(dev, torch.float32).exp()

@@ -24,6 +24,10 @@ from ..outputs import publish
 HEAD_FILE = "mtp_head.safetensors"
 HEAD_CONFIG = "head_config.json"
 DRAFT_VOCAB = "draft_vocab.json"  # token ids the head drafts from, most frequent first
+# head_config.json "version": 1, an MTP head (mtp.* names as Qwen3.5's); 2 adds "head_type"
+# ("mtp" or "eagle3", models/eagle3.py). A later format is refused, not loaded as garbage.
+HEAD_FORMAT_VERSION = 2
+HEAD_TYPES = ("mtp", "eagle3")
 
 
 class WithHead:
@@ -59,6 +63,7 @@ class WithHead:
                                   "a .safetensors file") from None
         cfg_path = f.parent / HEAD_CONFIG
         self.head_config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        check_head_format(self.head_config, cfg_path)
         self._names = list(self._h.keys())
         n_layers = 1 + max(
             (int(k.split(".")[2]) for k in self._names if k.startswith("mtp.layers.")), default=0
@@ -75,6 +80,10 @@ class WithHead:
         cfg = dict(hf_config_of(self.trunk))
         cfg["num_nextn_predict_layers"] = self.n_layers
         cfg["mtp_num_hidden_layers"] = self.n_layers
+        if self.head_config.get("head_type") == "eagle3":
+            hc = self.head_config
+            cfg["mtpkit_eagle3"] = {"aux_layers": hc["eagle_aux_hidden_state_layer_ids"],
+                                    "draft_vocab_size": hc["draft_vocab_size"]}
         return cfg
 
     def tensor_names(self) -> list[str]:
@@ -106,8 +115,9 @@ def save_head(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        tensors = {f"mtp.{k}": v.detach().float().contiguous().cpu()
-                   for k, v in head.state_dict().items()}
+        # Integer tensors (an EAGLE-3 head's d2t) stay integers.
+        tensors = {f"mtp.{k}": (v.detach().float() if v.is_floating_point() else v.detach())
+                   .contiguous().cpu() for k, v in head.state_dict().items()}
         save_file(tensors, tmp / HEAD_FILE, metadata={"format": "pt"})
         (tmp / HEAD_CONFIG).write_text(json.dumps(config, indent=2))
         if draft_vocab:
@@ -115,6 +125,19 @@ def save_head(
         publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_head_format(config: dict, path) -> None:
+    """Refuse a head_config.json of a format or head type this mtpkit does not know."""
+    version = config.get("version", 1)
+    head_type = config.get("head_type", "mtp")
+    if (config.get("format", "mtpkit-head") != "mtpkit-head" or not isinstance(version, int)
+            or version > HEAD_FORMAT_VERSION or head_type not in HEAD_TYPES):
+        raise CheckpointError(
+            f"{path}: a head of format {config.get('format')!r} version {version!r}, type "
+            f"{head_type!r}; this mtpkit reads mtpkit-head up to version "
+            f"{HEAD_FORMAT_VERSION} ({', '.join(HEAD_TYPES)} heads): upgrade mtpkit "
+            "(pip install -U mtpkit) to load it")
 
 
 def write_draft_vocab(head_dir: Path, token_ids: list[int]) -> None:
