@@ -125,6 +125,21 @@ def _load(path):
         return load_model(path, tokenizer=False)
 
 
+
+def _assert_lossless(model, seed: int) -> None:
+    """Greedy output with MTP (k = 1..3, drafts made) equals output without."""
+    from mtpkit.engine.generate import Engine, Result
+    from mtpkit.engine.sampling import SamplingParams
+
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    engine = Engine(model)
+    p = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = list(engine.generate(ids, p, 0))
+    for k in (1, 2, 3):
+        res = Result()
+        assert list(engine.generate(ids, p, k, result=res)) == plain, k
+        assert res.metrics.num_drafts > 0
+
 def test_release_loads_as_its_reference_dequantization(release):
     """Trunk logits and every MTP layer's logits of the FP8 / FP4 release equal those of the
     float model holding the reference dequantization; the weights are really quantized."""
@@ -290,8 +305,6 @@ def test_quantize_deepseek_v4(dsv4_float, tmp_path, scheme, mtp):
     both engines' names, and doctor finds nothing wrong for either."""
     from mtpkit.checkpoint.runtime_names import ignore_status
     from mtpkit.doctor import diagnose
-    from mtpkit.engine.generate import Engine, Result
-    from mtpkit.engine.sampling import SamplingParams
     from mtpkit.quant.pack import Scheme
     from mtpkit.quant.quantize import quantize_checkpoint
 
@@ -342,14 +355,7 @@ def test_quantize_deepseek_v4(dsv4_float, tmp_path, scheme, mtp):
         was = original[m + ".weight"]
         assert torch.equal(w, was) == (m not in quantized), m
         assert (w - was).abs().max() < 0.2 * was.abs().max(), m
-    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    engine = Engine(model)
-    p = SamplingParams(max_tokens=20, ignore_eos=True)
-    plain = list(engine.generate(ids, p, 0))
-    for k in (1, 2, 3):
-        res = Result()
-        assert list(engine.generate(ids, p, k, result=res)) == plain, k
-        assert res.metrics.num_drafts > 0
+    _assert_lossless(model, seed=1)
 
 
 def test_quantized_deepseek_v4_without_mtp_names(dsv4_float, tmp_path):
@@ -389,8 +395,6 @@ def test_graft_deepseek_v4_mtp_layers(dsv4_float, tmp_path):
     losslessly with the source's MTP weights, and doctor is clean."""
     from mtpkit.doctor import diagnose
     from mtpkit.doctor.graft import graft
-    from mtpkit.engine.generate import Engine, Result
-    from mtpkit.engine.sampling import SamplingParams
 
     dropped = tmp_path / "dropped"
     dropped.mkdir()
@@ -407,14 +411,7 @@ def test_graft_deepseek_v4_mtp_layers(dsv4_float, tmp_path):
         rep.to_json()
     model = _load(out).model
     assert model.mtp is not None
-    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(2)).tolist()
-    engine = Engine(model)
-    p = SamplingParams(max_tokens=20, ignore_eos=True)
-    plain = list(engine.generate(ids, p, 0))
-    for k in (1, 2, 3):
-        res = Result()
-        assert list(engine.generate(ids, p, k, result=res)) == plain, k
-        assert res.metrics.num_drafts > 0
+    _assert_lossless(model, seed=2)
 
 
 def test_graft_float_mtp_into_the_fp8_release(release, tmp_path):

@@ -566,6 +566,16 @@ def _describe_step(engine: str, layer: int, rest: str, n_layer: int | None,
     return RuntimeModule(name, (), True, mtp)
 
 
+def _dsv4_outside(disk: str) -> RuntimeModule:
+    """A DeepSeek-V4 module outside the layers (embedding, head...): vLLM and SGLang alike."""
+    if disk in ("embed", "model.embed_tokens"):
+        return RuntimeModule("model.embed_tokens", (), True, False, kind="embedding")
+    if disk in ("head", "lm_head"):
+        return RuntimeModule("lm_head", (), True, False, kind="head")
+    kind = _leaf_kind(disk)
+    return RuntimeModule(disk, (), kind != "never", False, kind=kind)
+
+
 def _describe_dsv4(disk: str, n_layer: int | None) -> RuntimeModule:
     """The DeepSeek-V4 module vLLM builds for a release module (``layers.{i}.attn.wq_a``,
     ``mtp.{i}.e_proj``..., with or without ``model.``)."""
@@ -586,13 +596,8 @@ def _describe_dsv4(disk: str, n_layer: int | None) -> RuntimeModule:
             at += "mtp_block."  # the decoder block
     elif m := re.match(r"(?:model\.)?layers\.(\d+)\.(.+)$", disk):
         at, rest, mtp = f"model.layers.{m[1]}.", m[2], False
-    elif disk in ("embed", "model.embed_tokens"):
-        return RuntimeModule("model.embed_tokens", (), True, False, kind="embedding")
-    elif disk in ("head", "lm_head"):
-        return RuntimeModule("lm_head", (), True, False, kind="head")
     else:
-        kind = _leaf_kind(disk)
-        return RuntimeModule(disk, (), kind != "never", False, kind=kind)
+        return _dsv4_outside(disk)
     name = at + rest
     if c := re.match(r"(.+\.compressor)\.(wkv|wgate)$", name):
         # Compressors (the attention's and the indexer's) are one fused_wkv_wgate each,
@@ -638,13 +643,8 @@ def _describe_dsv4_sglang(disk: str, config: dict | None) -> RuntimeModule:
         name = "model.decoder." + rest
     elif m := re.match(r"(?:model\.)?layers\.(\d+)\.(.+)$", disk):
         name, mtp = f"model.layers.{m[1]}.{m[2]}", False
-    elif disk in ("embed", "model.embed_tokens"):
-        return RuntimeModule("model.embed_tokens", (), True, False, kind="embedding")
-    elif disk in ("head", "lm_head"):
-        return RuntimeModule("lm_head", (), True, False, kind="head")
     else:
-        kind = _leaf_kind(disk)
-        return RuntimeModule(disk, (), kind != "never", False, kind=kind)
+        return _dsv4_outside(disk)
     name = "." + name  # so that the draft block's leading attn / ffn is renamed too
     for a, b in _DSV4_SGL_SUBSTR:  # each a whole name component
         name = re.sub(re.escape(a) + r"(?=\.|$)", b, name)
