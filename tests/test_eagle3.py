@@ -428,3 +428,18 @@ def test_llama_server_drafts_with_the_export_as_mtpkit_does(trunk, head, tmp_pat
         plain.stop()
         draft.stop()
     assert accepted > 0
+
+
+def test_teacher_eval_drafts_from_the_heads_own_vocabulary(engine, tmp_path):
+    """Teacher mode scores an EAGLE-3 head over its own d2t vocabulary: a draft vocabulary
+    given beside it changes nothing, and its drafts are those of the drafter's greedy pick."""
+    from mtpkit.train.evaluate import teacher_eval
+
+    f = tmp_path / "text.py"
+    f.write_text("\n".join(PROMPTS * 8))
+    model, tok = engine.model, engine.tokenizer
+    plain = teacher_eval(model, tok, [str(f)], 3, max_tokens=400, seq_len=32)
+    other = torch.arange(0, VOCAB, 2)
+    given = teacher_eval(model, tok, [str(f)], 3, max_tokens=400, seq_len=32, draft_vocab=other)
+    assert plain.tried[0] > 0 and sum(plain.passed) > 0
+    assert (given.tried, given.passed) == (plain.tried, plain.passed)

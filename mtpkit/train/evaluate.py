@@ -77,12 +77,18 @@ def teacher_eval(
     # The draft vocabulary's rows of each step's output head in that head's own form (int8
     # codes stay codes), as the engine drafts with them; .weight would dequantize it whole.
     sub = vocab = None
-    if draft_vocab is not None:
-        vocab = draft_vocab.to(model.model.embed_tokens.weight.device)
-        sub = [linear_rows(model.draft_head(s), vocab) for s in range(k)]
     if getattr(model.mtp, "head_type", None) == "eagle3":
-        # Its own lm_head scores its own draft vocabulary (rows -> token ids by d2t).
+        # Its own lm_head scores its own draft vocabulary (rows -> token ids by d2t); it has
+        # no full-vocabulary draft_head to take rows of.
         vocab, sub = model.mtp.target_ids(), [model.mtp.lm_head] * k
+    elif draft_vocab is not None:
+        vocab = draft_vocab.to(model.model.embed_tokens.weight.device)
+        heads = [model.draft_head(s) for s in range(k)]
+        rows = {}  # one row copy per distinct head (most steps share the lm_head)
+        for h in heads:
+            if id(h) not in rows:
+                rows[id(h)] = linear_rows(h, vocab)
+        sub = [rows[id(h)] for h in heads]
     rep = TeacherReport(passed=[0] * k, tried=[0] * k)
     spec = model.mtp.spec
     t0 = time.perf_counter()
