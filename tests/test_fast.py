@@ -976,8 +976,8 @@ def test_programs_are_keyed_by_their_own_family_sources_only(engine_factory):
 
     engine = engine_factory("llama")
     names = {f.name for f in traced_sources(engine.model)}
-    assert {"fast.py", "linear.py", "llama.py", "layers.py", "attention.py", "mtp.py",
-            "base.py", "cache.py", "config.py"} <= names
+    assert {"fast.py", "linear.py", "w8a8_layer.py", "llama.py", "layers.py", "attention.py",
+            "mtp.py", "base.py", "cache.py", "config.py"} <= names
     others = {f"{module}.py" for module, _ in FAMILIES.values()} - {"llama.py"}
     assert not names & others
     for cls in (type(engine.model), type(engine.model.config)):

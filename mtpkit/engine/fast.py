@@ -57,12 +57,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import threads
-from ..models.attention import Attention, row_kernel_fits
-from ..models.layers import MLP, PreNormDecoderLayer, RMSNorm, Rotary
+from ..models.attention import Attention, position_mask, row_kernel_fits
+from ..models.layers import MLP, PreNormDecoderLayer, swapped
 from ..quant.kernels import aoti_c_shims, argmax_rows, int8_mm_available, kernel_choice
 from ..quant.kernels import source_digest as kernel_source_digest
 from ..quant.linear import (
@@ -72,6 +71,7 @@ from ..quant.linear import (
     linear_rows,
     stack_outputs,
 )
+from ..quant.w8a8_layer import W8A8Forms, w8a8_block, w8a8_block_fits, w8a8_trunk, w8a8_whole
 from .accept import accept_sampled
 from .budget import RoundCosts, choose_drafts, drafting_pays, top_drafts
 from .generate import Result, draw_draft, emit
@@ -132,264 +132,21 @@ def float_row_exact_trunk(model) -> bool:
     return all(RowExactLinear.fits(m) for m in _trunk_linears(model))
 
 
-def _lin(fused: nn.ModuleDict | None, name: str, default: nn.Module) -> nn.Module:
-    # The step's own form of a layer (Programs.fused) where it has one.
-    return fused[name] if fused is not None and name in fused else default
-
-
-# -- the model as functions of (modules, tokens, positions, cache buffers) -----------------
-def _mlp(mlp: MLP, x: torch.Tensor, fused: nn.ModuleDict | None = None) -> torch.Tensor:
-    if fused is not None and "gate_up" in fused:
-        gate, up = fused["gate_up"](x).chunk(2, dim=-1)
-        return _lin(fused, "down_proj", mlp.down_proj)(F.silu(gate) * up)
-    gate, up = _lin(fused, "gate_proj", mlp.gate_proj)(x), _lin(fused, "up_proj", mlp.up_proj)(x)
-    return _lin(fused, "down_proj", mlp.down_proj)(F.silu(gate) * up)
-
-
-def _qkv_cached(attn: Attention, x, cos, sin, kbuf, vbuf, pos, fused=None, qkv=None):
-    """Rotated queries [1, H, T, hd] and the output gate (or None) of x [1, T, D] (or of a
-    q/k/v layer output ``qkv``), their keys and values written to the buffers at pos."""
-    b, t = (qkv if qkv is not None else x).shape[:2]
-    nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if qkv is not None:
-        q, k, v = qkv.split([attn.q_proj.out_features, nkv * hd, nkv * hd], -1)
-    elif fused is not None and "qkv" in fused:
-        q, k, v = fused["qkv"](x).split([attn.q_proj.out_features, nkv * hd, nkv * hd], -1)
-    else:
-        q, k, v = (_lin(fused, name, getattr(attn, name))(x)
-                   for name in ("q_proj", "k_proj", "v_proj"))
-    gate = None
-    if attn.output_gate:
-        q, gate = q.reshape(b, t, nh, 2 * hd).chunk(2, dim=-1)
-        gate = gate.reshape(b, t, nh * hd)
-    q = q.reshape(b, t, nh, hd)
-    k = k.reshape(b, t, nkv, hd)
-    v = v.reshape(b, t, nkv, hd)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
-    kbuf.index_copy_(2, pos, k.to(kbuf.dtype))
-    vbuf.index_copy_(2, pos, v.to(vbuf.dtype))
-    return q, gate
-
-
-def _qkv_rows(attn: Attention, x, fused: nn.ModuleDict | None = None) -> torch.Tensor:
-    """q/k/v projections of x side by side [.., Nq + 2 Nkv] (the step's fused layer where
-    it has one), the ``qkv`` _attention takes."""
-    if fused is not None and "qkv" in fused:
-        return fused["qkv"](x)
-    return torch.cat([_lin(fused, n, getattr(attn, n))(x) for n in ("q_proj", "k_proj", "v_proj")],
-                     -1)
-
-
 def _accepted(tokens, target):
     """n [1]: how many drafts (tokens[0, 1:]) equal the target's choices before them."""
     return torch.cumprod((tokens[0, 1:] == target[:-1]).long(), 0).sum().view(1)
 
 
-def _attention(attn: Attention, x, cos, sin, kbuf, vbuf, pos, mask,
-               rows: int | None = None, fused: nn.ModuleDict | None = None,
-               qkv: torch.Tensor | None = None, project: bool = True) -> torch.Tensor:
-    """GQA attention of x [1, T, D] at positions pos [T], writing the static buffers;
-    ``rows``: attend the first ``rows`` rows one query row at a time (see Programs);
-    ``fused``: q/k/v as one layer ("qkv", see Programs); ``qkv``: that layer's output
-    [1, T, Nq + 2 Nkv] already computed (x unused); ``project=False``: the heads' output
-    [1, T, H * hd] before o_proj."""
-    q, gate = _qkv_cached(attn, x, cos, sin, kbuf, vbuf, pos, fused, qkv)
-    b, nh, t, hd = q.shape
-    nkv = attn.num_kv_heads
-    # Only the first mask-width slots are read (the span, see Programs); query heads
-    # sharing a KV head are stacked along the query axis, [1, kv, g*T, hd] against
-    # [1, kv, span, hd], which reads each cached key once instead of expanding the buffer.
-    span = mask.shape[-1]
-    g = nh // nkv
-    # narrow, not [:span]: a slice would clamp to the buffer and pin the span's length.
-    keys, values = kbuf.narrow(2, 0, span), vbuf.narrow(2, 0, span)
-    # reshape, not view, after SDPA: CUDA's kernels may return [b, t, h, d]-strided outputs.
-    if rows is None:
-        out = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, hd), keys, values,
-                                             attn_mask=mask).reshape(b, nh, t, hd)
-    elif row_kernel_fits(q, kbuf):
-        # mtpkit's kernel: each row (keys 0..pos[j], the mask's rule) the same computation
-        # a one-token step makes, all rows in one call; a third of torch's SDPA time for a
-        # row here. Rows past ``rows`` are padding and copy the last. Out [T, H, D].
-        out = torch.ops.mtpkit.attend_rows(q[0].transpose(0, 1), keys[0], values[0], pos, rows)
-        out = out.view(b, t, nh * hd)
-        return _out_proj(attn, out, gate, fused) if project else out
-    else:
-        # As above through torch's SDPA (mask rows j, j+t, .. are row j's).
-        outs = [F.scaled_dot_product_attention(q[:, :, j : j + 1].reshape(b, nkv, g, hd), keys,
-                                               values, attn_mask=mask[j::t]).reshape(b, nh, 1, hd)
-                for j in range(rows)]
-        out = torch.cat(outs + outs[-1:] * (t - rows), dim=2)
-    out = out.transpose(1, 2).reshape(b, t, nh * hd)
-    return _out_proj(attn, out, gate, fused) if project else out
-
-
 def _seqs_kernel_fits(x: torch.Tensor, buf: torch.Tensor) -> bool:
-    # Whether _attend_seqs can take a batched pass: mtpkit's row kernel, caches one tensor
-    # a sequence [1, Hkv, L, hd].
+    # Whether Attention.attend_seqs can take a batched pass: mtpkit's row kernel, caches one
+    # tensor a sequence [1, Hkv, L, hd].
     return row_kernel_fits(x, buf) and buf.dim() == 4 and buf.shape[0] == 1
-
-
-def _attend_seqs(attn: Attention, qkv, cos, sin, kbufs, vbufs, pos, sizes) -> torch.Tensor:
-    """Attention heads [1, N, H * hd] of several sequences' rows laid end to end (qkv
-    [1, N, Nq + 2 Nkv], sizes rows a sequence), each row's key and value written to its own
-    sequence's caches at pos [N]: one kernel call where _attention made a call a sequence,
-    with the same bits (the rotary is elementwise; csrc/attend_rows.cpp: attend_seqs)."""
-    q, k, v = _rotated_rows(attn, qkv, cos, sin)
-    out = torch.ops.mtpkit.attend_seqs(q, k, v, kbufs, vbufs, pos, sizes)
-    return out.view(1, qkv.shape[1], -1)
-
-
-def _rotated_rows(attn: Attention, qkv, cos, sin):
-    # qkv [1, N, Nq + 2 Nkv] -> the rows' rotated queries [N, H, hd], keys and values
-    # [N, Hkv, hd], as the row kernels take them.
-    b, t = qkv.shape[:2]
-    nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q, k, v = qkv.split([attn.q_proj.out_features, nkv * hd, nkv * hd], -1)
-    q, k, v = q.reshape(b, t, nh, hd), k.reshape(b, t, nkv, hd), v.reshape(b, t, nkv, hd)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = Rotary.apply(q.transpose(1, 2), cos, sin), Rotary.apply(k.transpose(1, 2), cos, sin)
-    return q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]
-
-
-def _attend_pool(attn: Attention, qkv, cos, sin, kpool, vpool, slots, sizes, pos):
-    """_attend_seqs with the sequences' caches slots of one pool [S, Hkv, L, hd] (slots,
-    sizes int64 [B]): the same bits, and shapes that do not depend on the batch
-    (csrc/attend_rows.cpp: attend_pool)."""
-    q, k, v = _rotated_rows(attn, qkv, cos, sin)
-    out = torch.ops.mtpkit.attend_pool(q, k, v, kpool, vpool, slots, sizes, pos)
-    return out.view(1, qkv.shape[1], -1)
-
-
-def _out_proj(attn, out: torch.Tensor, gate: torch.Tensor | None, fused=None) -> torch.Tensor:
-    if gate is not None:
-        out = out * torch.sigmoid(gate)
-    return _lin(fused, "o_proj", attn.o_proj)(out)
-
-
-@dataclass(frozen=True)
-class W8A8Forms:
-    """How W8A8 layers on mtpkit's kernels run. Every form gives the same bits; the
-    defaults are the fastest, and the others exist so that tests and benchmarks can set
-    them side by side (programs are keyed on them)."""
-
-    block: bool = True  # fused ops (_w8a8_block) rather than an op per GEMM
-    attn: bool = True  # attention inside a fused op (w8a8_layer or w8a8_attn_post)
-    layer: bool = True  # a whole layer as one op (w8a8_layer)
-    trunk: bool = True  # a trunk of whole-layer ops as one op (w8a8_trunk)
-
-    def key(self) -> str:
-        """The forms as a build-key part."""
-        return "|".join(str(v) for v in (self.block, self.attn, self.layer, self.trunk))
-
-
-def w8a8_block_fits(layer, fused: nn.ModuleDict | None) -> bool:
-    """Whether a trunk layer can run as mtpkit's fused W8A8 ops (_w8a8_block): every GEMM
-    W8A8 without bias on the CPU kernels, plain fp32 RMSNorms, ungated attention, SwiGLU."""
-    if fused is None or not {"qkv", "gate_up"} <= set(fused) or not int8_mm_available():
-        return False
-    attn, mlp = layer.self_attn, layer.mlp
-    gemms = (fused["qkv"], attn.o_proj, fused["gate_up"], mlp.down_proj)
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    # row_exact at 8 bits: int codes per channel, symmetric, in stored order.
-    return (all(isinstance(m, QuantLinear) and m.bits == 8 and m.act_quant is not None
-                and m.row_exact and m.bias is None and m.scale.device.type == "cpu"
-                for m in gemms)
-            and all(isinstance(n, RMSNorm) and not n.zero_centered
-                    and n.weight.dtype == torch.float32 for n in norms)
-            and not attn.output_gate and type(mlp) is MLP)
-
-
-def _w8a8_block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows, fused,
-                forms: W8A8Forms) -> torch.Tensor:
-    # The layer as one of mtpkit's ops, one OpenMP region (csrc/w8a8_block.cpp; a region
-    # per GEMM let the weight stream idle between them): input norm, q/k/v, rotary, cache
-    # writes, row attention, o_proj, residual, norm, gate/up, SiLU, down, residual. Layers
-    # with q/k norms (and the one-layer form off) run two: w8a8_pre, then the rotary and cache
-    # writes here, then the rest in w8a8_attn_post. Each form gives the bits of the ops apart
-    # with PyTorch's rotary (tests).
-    b, t, d = x.shape
-    attn, mlp, qkv = layer.self_attn, layer.mlp, fused["qkv"]
-    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    x2 = x.reshape(t, d)
-    mlp_ops = (ln2.weight, ln2.eps, *fused["gate_up"].a8_operands(),
-               *mlp.down_proj.a8_operands(), mlp.down_proj.in_features)
-    if _w8a8_whole(layer, x, kbuf, rows, forms):
-        # The whole layer in one region: norm, q/k/v, rotary, cache writes, attention, MLP.
-        out = torch.ops.mtpkit.w8a8_layer(
-            x2, ln1.weight, ln1.eps, *qkv.a8_operands(), cos, sin, kbuf, vbuf, pos,
-            mask.shape[-1], rows, attn.num_heads, *attn.o_proj.a8_operands(), *mlp_ops)
-        return out.view(b, t, d)
-    proj = torch.ops.mtpkit.w8a8_pre(x2, ln1.weight, ln1.eps, *qkv.a8_operands())
-    qkv_out = proj[:, : qkv.out_features].view(b, t, -1)
-    if rows is not None and forms.attn and row_kernel_fits(qkv_out, kbuf):
-        # The attention inside the same region as the MLP (csrc/attend.h: attend_rows'
-        # passes, the same bits): one fork a layer fewer, and no op between.
-        q, _ = _qkv_cached(attn, None, cos, sin, kbuf, vbuf, pos, qkv=qkv_out)
-        span = mask.shape[-1]
-        out = torch.ops.mtpkit.w8a8_attn_post(
-            q[0].transpose(0, 1), kbuf.narrow(2, 0, span)[0], vbuf.narrow(2, 0, span)[0],
-            pos, rows, x2, *attn.o_proj.a8_operands(), *mlp_ops)
-        return out.view(b, t, d)
-    heads = _attention(attn, None, cos, sin, kbuf, vbuf, pos, mask, rows, qkv=qkv_out,
-                       project=False)
-    out = torch.ops.mtpkit.w8a8_post(heads.reshape(t, -1), x2, *attn.o_proj.a8_operands(),
-                                     *mlp_ops)
-    return out.view(b, t, d)
-
-
-def _w8a8_whole(layer, x, kbuf, rows, forms: W8A8Forms) -> bool:
-    # Whether _w8a8_block runs the layer as one w8a8_layer op.
-    return (rows is not None and forms.attn and forms.layer and row_kernel_fits(x, kbuf)
-            and layer.self_attn.q_norm is None)
-
-
-def _w8a8_trunk(layers, fused, x, cos, sin, kc, vc, pos, mask, rows) -> torch.Tensor:
-    # Every layer as w8a8_layer computes it, all in one op and one OpenMP region: a barrier
-    # between layers where an op a layer forked and joined the team and set its call up
-    # with the other thread idle: the per-layer fork, join and call setup go.
-    b, t, d = x.shape
-    ops = [[] for _ in range(14)]
-    for layer, f in zip(layers, fused, strict=True):
-        attn, mlp = layer.self_attn, layer.mlp
-        row = (layer.input_layernorm.weight, *f["qkv"].a8_operands(), *attn.o_proj.a8_operands(),
-               layer.post_attention_layernorm.weight, *f["gate_up"].a8_operands(),
-               *mlp.down_proj.a8_operands())
-        for acc, v in zip(ops, row, strict=True):
-            acc.append(v)
-    ln1, qw, qs, qc, ow, os_, oc, ln2, guw, gus, guc, dw, ds, dc = ops
-    first = layers[0]
-    # Stacked caches (FastDecoder.kv) go in whole, lists a tensor a layer.
-    op, caches = ((torch.ops.mtpkit.w8a8_trunk_kv, (kc, vc)) if isinstance(kc, torch.Tensor)
-                  else (torch.ops.mtpkit.w8a8_trunk, (list(kc), list(vc))))
-    out = op(
-        x.reshape(t, d), ln1, first.input_layernorm.eps, qw, qs, qc, cos, sin, *caches,
-        pos, mask.shape[-1], rows, first.self_attn.num_heads, ow, os_, oc, ln2,
-        first.post_attention_layernorm.eps, guw, gus, guc, dw, ds, dc,
-        first.mlp.down_proj.in_features)
-    return out.view(b, t, d)
-
-
-def _block(layer, x, cos, sin, kbuf, vbuf, pos, mask, rows=None, fused=None) -> torch.Tensor:
-    x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, kbuf, vbuf, pos,
-                       mask, rows, fused)
-    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
 
 
 def _span(span: torch.Tensor | None, buf: torch.Tensor) -> int:
     # The span's length is a shape, not a value: compiled programs take it as a dynamic
     # dimension, so one program serves every length without a host read or a recompile.
     return buf.shape[2] if span is None else span.shape[0]
-
-
-def _mask(pos: torch.Tensor, length: int, groups: int) -> torch.Tensor:
-    """[groups*T, L]: query t sees the keys at positions 0..pos[t], nothing stale beyond."""
-    keys = torch.arange(length, device=pos.device)
-    return (keys[None, :] <= pos[:, None]).repeat(groups, 1)
 
 
 class Programs(nn.Module):
@@ -510,13 +267,13 @@ class Programs(nn.Module):
         attend that many leading rows one at a time (the rest are padding). kc, vc: a
         cache a layer, or each stacked in one tensor (FastDecoder.kv)."""
         m = self.model
-        mask = _mask(pos, _span(span, kc[0]), self.groups)
+        mask = position_mask(pos, _span(span, kc[0]), self.groups)
         cos, sin = self._cos_sin(pos)
         x = m.model.embed_tokens(ids)
         layers = m.model.layers
         if (self.w8a8_trunk and all(self.w8a8_blocks)
-                and all(_w8a8_whole(layer, x, kc[0], rows, self.forms) for layer in layers)):
-            x = _w8a8_trunk(layers, self.fused, x, cos, sin, kc, vc, pos, mask, rows)
+                and all(w8a8_whole(layer, x, kc[0], rows, self.forms) for layer in layers)):
+            x = w8a8_trunk(layers, self.fused, x, cos, sin, kc, vc, pos, mask, rows)
             return m.model.norm(x), x
         if isinstance(kc, torch.Tensor) and (torch.compiler.is_compiling()
                                              or torch.compiler.is_exporting()):
@@ -525,10 +282,10 @@ class Programs(nn.Module):
         for i, layer in enumerate(layers):
             fused = None if self.fused is None else self.fused[i]
             if fused is not None and self.w8a8_blocks[i]:
-                x = _w8a8_block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows, fused,
-                                self.forms)
+                x = w8a8_block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows, fused,
+                               self.forms)
             else:
-                x = _block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows, fused)
+                x = layer.forward_static(x, cos, sin, kc[i], vc[i], pos, mask, rows, fused)
         return m.model.norm(x), x
 
     def head(self, ids, hidden, pos, hk, hv, span=None, zero_first: bool = False):
@@ -536,8 +293,8 @@ class Programs(nn.Module):
         mtp = self.model.mtp
         x = self._head_input(ids, hidden, zero_first)
         cos, sin = self._cos_sin(pos)
-        x = _block(mtp.layers[0], x, cos, sin, hk, hv, pos,
-                   _mask(pos, _span(span, hk), self.groups))
+        x = mtp.layers[0].forward_static(x, cos, sin, hk, hv, pos,
+                                         position_mask(pos, _span(span, hk), self.groups))
         return mtp.norm(x), x
 
     def _head_input(self, ids, hidden, zero_first: bool = False):
@@ -666,17 +423,18 @@ class Programs(nn.Module):
         pos = torch.cat([pos for _, pos, *_ in seqs])
         if _seqs_kernel_fits(x, seqs[0][2][0]):
             def attend(i, attn, qkv, cos, sin):
-                return _attend_seqs(attn, qkv, cos, sin, [kc[i] for _, _, kc, _, _ in seqs],
-                                    [vc[i] for _, _, _, vc, _ in seqs], pos, sizes)
+                return attn.attend_seqs(qkv, cos, sin, [kc[i] for _, _, kc, _, _ in seqs],
+                                        [vc[i] for _, _, _, vc, _ in seqs], pos, sizes)
         else:
             # A call a sequence, each with its own rotary rows and mask.
             rope = [self._cos_sin(p) for _, p, *_ in seqs]
-            masks = [_mask(p, _span(span, kc[0]), self.groups) for _, p, kc, _, span in seqs]
+            masks = [position_mask(p, _span(span, kc[0]), self.groups)
+                     for _, p, kc, _, span in seqs]
 
             def attend(i, attn, qkv, *_):
                 return torch.cat([
-                    _attention(attn, None, cos, sin, kc[i], vc[i], p, mask, part.shape[1],
-                               qkv=part, project=False)
+                    attn.forward_static(None, cos, sin, kc[i], vc[i], p, mask, part.shape[1],
+                                        qkv=part, project=False)
                     for (_, p, kc, vc, _), (cos, sin), mask, part
                     in zip(seqs, rope, masks, qkv.split(sizes, 1), strict=True)], 1)
         post, x = self._layers_over(x, pos, attend)
@@ -690,9 +448,9 @@ class Programs(nn.Module):
         for i, layer in enumerate(m.model.layers):
             f = None if self.fused is None else self.fused[i]
             attn = layer.self_attn
-            qkv = _qkv_rows(attn, layer.input_layernorm(x), f)
-            x = x + _lin(f, "o_proj", attn.o_proj)(attend(i, attn, qkv, cos, sin))
-            x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x), f)
+            qkv = attn.qkv(layer.input_layernorm(x), f)
+            x = x + swapped(f, "o_proj", attn.o_proj)(attend(i, attn, qkv, cos, sin))
+            x = x + layer.mlp(layer.post_attention_layernorm(x), f)
         return m.model.norm(x), x
 
     @every_row_exact()
@@ -703,8 +461,8 @@ class Programs(nn.Module):
         [N, V] sampled requests draw from). No shape depends on the batch, so one compiled
         program takes them all."""
         x = self.model.model.embed_tokens(ids)
-        post, pre = self._layers_over(x, pos, lambda i, attn, qkv, cos, sin: _attend_pool(
-            attn, qkv, cos, sin, kpools[i], vpools[i], slots, sizes, pos))
+        post, pre = self._layers_over(x, pos, lambda i, attn, qkv, cos, sin: attn.attend_pool(
+            qkv, cos, sin, kpools[i], vpools[i], slots, sizes, pos))
         spec = self.model.mtp.spec if self.model.mtp is not None else None
         hidden = pre if spec is not None and spec.trunk_hidden != "post_norm" else post
         logits = self.logits(post[0])
@@ -714,8 +472,8 @@ class Programs(nn.Module):
     def head_pool(self, ids, states, pos, slots, sizes, hk, hv):
         """head_rows over pooled head caches hk, hv [S, Hkv, L, hd] -> (the state the draft
         is picked from, the state the next draft step reads) [1, N, D]."""
-        post, pre = self._head_over(ids, states, pos, lambda attn, qkv, cos, sin: _attend_pool(
-            attn, qkv, cos, sin, hk, hv, slots, sizes, pos))
+        post, pre = self._head_over(ids, states, pos, lambda attn, qkv, cos, sin: attn.attend_pool(
+            qkv, cos, sin, hk, hv, slots, sizes, pos))
         return post, (post if self.model.mtp.spec.chain_hidden == "post_norm" else pre)
 
     def _head_over(self, ids, states, pos, attend):
@@ -725,10 +483,10 @@ class Programs(nn.Module):
         x = self._head_input(ids, states)
         layer = mtp.layers[0]
         attn = layer.self_attn
-        qkv = _qkv_rows(attn, layer.input_layernorm(x))
+        qkv = attn.qkv(layer.input_layernorm(x))
         cos, sin = self._cos_sin(pos)
         x = x + attn.o_proj(attend(attn, qkv, cos, sin))
-        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
         return mtp.norm(x), x
 
     @every_row_exact()
@@ -808,17 +566,17 @@ class Programs(nn.Module):
         pos = torch.cat([pos for _, _, pos, *_ in seqs])
         if _seqs_kernel_fits(seqs[0][1], seqs[0][3]):
             def attend(attn, qkv, cos, sin):
-                return _attend_seqs(attn, qkv, cos, sin, [hk for *_, hk, _, _ in seqs],
-                                    [hv for *_, hv, _ in seqs], pos, sizes)
+                return attn.attend_seqs(qkv, cos, sin, [hk for *_, hk, _, _ in seqs],
+                                        [hv for *_, hv, _ in seqs], pos, sizes)
         else:
             def attend(attn, qkv, *_):
                 outs = []
                 for (_, _, p, hk, hv, span), part in zip(seqs, qkv.split(sizes, 1),
                                                          strict=True):
                     cos, sin = self._cos_sin(p)
-                    outs.append(_attention(attn, None, cos, sin, hk, hv, p,
-                                           _mask(p, _span(span, hk), self.groups),
-                                           part.shape[1], qkv=part, project=False))
+                    mask = position_mask(p, _span(span, hk), self.groups)
+                    outs.append(attn.forward_static(None, cos, sin, hk, hv, p, mask,
+                                                    part.shape[1], qkv=part, project=False))
                 return torch.cat(outs, 1)
         post, x = self._head_over(torch.cat([ids for ids, *_ in seqs], 1),
                                   torch.cat([h for _, h, *_ in seqs], 1), pos, attend)
@@ -885,7 +643,8 @@ def traced_sources(model) -> list[Path]:
            for c in cls.__mro__}
     models = [f for f in sorted((root / "models").glob("*.py"))
               if f.stem not in families or f.stem in own]
-    return [Path(__file__).resolve(), root / "quant" / "linear.py", *models]
+    return [Path(__file__).resolve(), root / "quant" / "linear.py",
+            root / "quant" / "w8a8_layer.py", *models]
 
 
 def _source_digest(model) -> str:

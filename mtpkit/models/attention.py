@@ -9,7 +9,7 @@ from torch import nn
 from ..quant.kernels import int8_mm_available
 from ..quant.linear import dtype_device
 from .cache import KVCache
-from .layers import RMSNorm, Rotary
+from .layers import RMSNorm, Rotary, swapped
 
 # Forward passes of up to this many tokens over a cache are verification steps.
 VERIFY_ROWS = 16
@@ -109,18 +109,7 @@ class Attention(nn.Module):
         over its own cache.
         """
         b, t, _ = x.shape
-        q = self.q_proj(x)
-        gate = None
-        if self.output_gate:
-            q, gate = q.view(b, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(b, t, self.num_heads * self.head_dim)
-        q = q.reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        q, k, v, gate = self.heads(*self.projections(x), cos, sin)
         if isinstance(cache, PackedCaches):
             outs, s = [], 0
             for c, n in zip(cache.caches, cache.lengths, strict=True):
@@ -131,9 +120,121 @@ class Attention(nn.Module):
         else:
             out = self._attend(q, k, v, cache)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        return self.output(out, gate)
+
+    # -- the pieces every road through this layer shares ----------------------------------
+    def qkv(self, x: torch.Tensor, fused: nn.ModuleDict | None = None) -> torch.Tensor:
+        """The q/k/v projections of x side by side [.., Nq + 2 Nkv] (the step's stacked
+        ``qkv`` layer where it has one)."""
+        if fused is not None and "qkv" in fused:
+            return fused["qkv"](x)
+        return torch.cat(self.projections(x, fused), -1)
+
+    def projections(self, x: torch.Tensor, fused: nn.ModuleDict | None = None):
+        """q, k, v of x (the step's kernel forms where ``fused`` has them)."""
+        if fused is not None and "qkv" in fused:
+            return self.split_qkv(fused["qkv"](x))
+        return [swapped(fused, n, getattr(self, n))(x) for n in ("q_proj", "k_proj", "v_proj")]
+
+    def split_qkv(self, qkv: torch.Tensor) -> list[torch.Tensor]:
+        """qkv [.., Nq + 2 Nkv] -> q, k, v."""
+        kv = self.num_kv_heads * self.head_dim
+        return qkv.split([self.q_proj.out_features, kv, kv], -1)
+
+    def heads(self, q, k, v, cos, sin):
+        """Projections [B, T, *] -> rotated queries [B, H, T, hd], rotated keys and values
+        [B, Hkv, T, hd], and the output gate [B, T, H * hd] (None without one)."""
+        b, t = q.shape[:2]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        gate = None
+        if self.output_gate:
+            # Qwen3-Next doubles q_proj: per head, [query | gate].
+            q, gate = q.reshape(b, t, nh, 2 * hd).chunk(2, dim=-1)
+            gate = gate.reshape(b, t, nh * hd)
+        q, k, v = q.reshape(b, t, nh, hd), k.reshape(b, t, nkv, hd), v.reshape(b, t, nkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin), v, gate
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor | None,
+               fused: nn.ModuleDict | None = None) -> torch.Tensor:
+        """o_proj of the heads' output [B, T, H * hd], gated where the layer has a gate."""
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return swapped(fused, "o_proj", self.o_proj)(out)
+
+    # -- over static cache buffers at tensor positions (what compiled programs trace) -----
+    def cached_heads(self, x, cos, sin, kbuf, vbuf, pos, fused=None, qkv=None):
+        """Rotated queries [1, H, T, hd] and the output gate (or None) of x [1, T, D] (or of
+        a q/k/v output ``qkv``), their keys and values written to the buffers at pos [T]."""
+        parts = self.projections(x, fused) if qkv is None else self.split_qkv(qkv)
+        q, k, v, gate = self.heads(*parts, cos, sin)
+        kbuf.index_copy_(2, pos, k.to(kbuf.dtype))
+        vbuf.index_copy_(2, pos, v.to(vbuf.dtype))
+        return q, gate
+
+    def forward_static(self, x, cos, sin, kbuf, vbuf, pos, mask, rows: int | None = None,
+                       fused: nn.ModuleDict | None = None, qkv: torch.Tensor | None = None,
+                       project: bool = True) -> torch.Tensor:
+        """Attention of x [1, T, D] at positions pos [T] over static buffers [1, Hkv, L, hd]
+        (keys <= a row's position, position_mask), writing the rows' keys and values first;
+        ``rows``: attend the first ``rows`` rows one query row at a time (the rest are
+        padding, engine/fast.Programs); ``fused``: the step's kernel forms of the
+        projections; ``qkv``: the q/k/v output [1, T, Nq + 2 Nkv] already computed (x
+        unused); ``project=False``: the heads' output [1, T, H * hd] before o_proj."""
+        q, gate = self.cached_heads(x, cos, sin, kbuf, vbuf, pos, fused, qkv)
+        b, nh, t, hd = q.shape
+        nkv = self.num_kv_heads
+        # Only the first mask-width slots are read (the span, see Programs); query heads
+        # sharing a KV head are stacked along the query axis, [1, kv, g*T, hd] against
+        # [1, kv, span, hd], which reads each cached key once instead of expanding the buffer.
+        span = mask.shape[-1]
+        g = nh // nkv
+        # narrow, not [:span]: a slice would clamp to the buffer and pin the span's length.
+        keys, values = kbuf.narrow(2, 0, span), vbuf.narrow(2, 0, span)
+        # reshape, not view, after SDPA: CUDA's kernels may return [b, t, h, d]-strided outputs.
+        if rows is None:
+            out = F.scaled_dot_product_attention(q.reshape(b, nkv, g * t, hd), keys, values,
+                                                 attn_mask=mask).reshape(b, nh, t, hd)
+        elif row_kernel_fits(q, kbuf):
+            # mtpkit's kernel: each row (keys 0..pos[j], the mask's rule) the same computation
+            # a one-token step makes, all rows in one call; a third of torch's SDPA time for a
+            # row here. Rows past ``rows`` are padding and copy the last. Out [T, H, D].
+            out = torch.ops.mtpkit.attend_rows(q[0].transpose(0, 1), keys[0], values[0], pos,
+                                               rows)
+            out = out.view(b, t, nh * hd)
+            return self.output(out, gate, fused) if project else out
+        else:
+            # As above through torch's SDPA (mask rows j, j+t, .. are row j's).
+            outs = [F.scaled_dot_product_attention(
+                q[:, :, j : j + 1].reshape(b, nkv, g, hd), keys, values,
+                attn_mask=mask[j::t]).reshape(b, nh, 1, hd) for j in range(rows)]
+            out = torch.cat(outs + outs[-1:] * (t - rows), dim=2)
+        out = out.transpose(1, 2).reshape(b, t, nh * hd)
+        return self.output(out, gate, fused) if project else out
+
+    def rotated_rows(self, qkv, cos, sin):
+        """qkv [1, N, Nq + 2 Nkv] -> the rows' rotated queries [N, H, hd], keys and values
+        [N, Hkv, hd], as the row kernels take them."""
+        q, k, v, _ = self.heads(*self.split_qkv(qkv), cos, sin)
+        return q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
+
+    def attend_seqs(self, qkv, cos, sin, kbufs, vbufs, pos, sizes) -> torch.Tensor:
+        """Attention heads [1, N, H * hd] of several sequences' rows laid end to end (qkv
+        [1, N, Nq + 2 Nkv], sizes rows a sequence), each row's key and value written to its
+        own sequence's caches at pos [N]: one kernel call where forward_static made a call a
+        sequence, with the same bits (the rotary is elementwise; csrc/attend_rows.cpp)."""
+        out = torch.ops.mtpkit.attend_seqs(*self.rotated_rows(qkv, cos, sin), kbufs, vbufs,
+                                           pos, sizes)
+        return out.view(1, qkv.shape[1], -1)
+
+    def attend_pool(self, qkv, cos, sin, kpool, vpool, slots, sizes, pos) -> torch.Tensor:
+        """attend_seqs with the sequences' caches slots of one pool [S, Hkv, L, hd] (slots,
+        sizes int64 [B]): the same bits, and shapes that do not depend on the batch."""
+        out = torch.ops.mtpkit.attend_pool(*self.rotated_rows(qkv, cos, sin), kpool, vpool,
+                                           slots, sizes, pos)
+        return out.view(1, qkv.shape[1], -1)
 
     @staticmethod
     def _attend(q, k, v, cache: KVCache | None) -> torch.Tensor:
@@ -170,6 +271,12 @@ class Attention(nn.Module):
                                        v[:, :, : start + j + 1], None) for j in range(t)],
                                  dim=2)
         return sdpa(q, k, v, causal)
+
+
+def position_mask(pos: torch.Tensor, length: int, groups: int) -> torch.Tensor:
+    """[groups*T, L]: query t sees the keys at positions 0..pos[t], nothing stale beyond."""
+    keys = torch.arange(length, device=pos.device)
+    return (keys[None, :] <= pos[:, None]).repeat(groups, 1)
 
 
 def row_kernel_fits(q: torch.Tensor, k: torch.Tensor) -> bool:

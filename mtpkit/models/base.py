@@ -72,11 +72,16 @@ class CausalLM(nn.Module):
         start = cache.length if cache is not None else 0
         cos, sin = self.rotary.cos_sin(self._positions(start, input_ids.shape[1]))
         x = self.model.embed_tokens(input_ids)
+        return self._layers(x, cos, sin, lambda i: cache[i] if cache is not None else None)
+
+    def _layers(self, x, cos, sin, cache_of) -> TrunkOutput:
+        # The decoder layers over x, layer i with cache_of(i), keeping the input states of
+        # the layers the head reads (aux_layer_ids).
         aux_ids, aux = self.aux_layer_ids(), []
         for i, layer in enumerate(self.model.layers):
             if i in aux_ids:
                 aux.append(x)
-            x = layer(x, cos, sin, cache[i] if cache is not None else None)
+            x = layer(x, cos, sin, cache_of(i))
         return TrunkOutput(self.model.norm(x), x, self._aux(aux_ids, aux, x))
 
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -113,17 +118,12 @@ class CausalLM(nn.Module):
                                for (_, c), n in zip(items, lengths, strict=True)])
         cos, sin = self.rotary.cos_sin(positions)
         x = self.model.embed_tokens(torch.cat([ids for ids, _ in items], dim=1))
-        aux_ids, aux = self.aux_layer_ids(), []
-        for i, layer in enumerate(self.model.layers):
-            if i in aux_ids:
-                aux.append(x)
-            x = layer(x, cos, sin, PackedCaches([c[i] for _, c in items], lengths))
-        hidden = self.model.norm(x)
-        aux_all = self._aux(aux_ids, aux, x)
+        out = self._layers(x, cos, sin,
+                           lambda i: PackedCaches([c[i] for _, c in items], lengths))
         outs, s = [], 0
         for n in lengths:
-            outs.append(TrunkOutput(hidden[:, s : s + n], x[:, s : s + n],
-                                    None if aux_all is None else aux_all[:, s : s + n]))
+            outs.append(TrunkOutput(out.hidden[:, s : s + n], out.pre_norm[:, s : s + n],
+                                    None if out.aux is None else out.aux[:, s : s + n]))
             s += n
         return outs
 

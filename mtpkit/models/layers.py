@@ -39,8 +39,21 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, fused: nn.ModuleDict | None = None) -> torch.Tensor:
+        """``fused``: a step's own forms of the projections (swapped), gate and up as one
+        stacked ``gate_up`` layer where it has one."""
+        if fused is not None and "gate_up" in fused:
+            gate, up = fused["gate_up"](x).chunk(2, dim=-1)
+        else:
+            gate = swapped(fused, "gate_proj", self.gate_proj)(x)
+            up = swapped(fused, "up_proj", self.up_proj)(x)
+        return swapped(fused, "down_proj", self.down_proj)(F.silu(gate) * up)
+
+
+def swapped(fused: nn.ModuleDict | None, name: str, default: nn.Module) -> nn.Module:
+    """The layer ``name`` in a step's own kernel form where ``fused`` holds one (the fast
+    path's row-exact or stacked layers, engine/fast.Programs), else the model's own."""
+    return fused[name] if fused is not None and name in fused else default
 
 
 def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -154,6 +167,14 @@ class PreNormDecoderLayer(nn.Module):
     def forward(self, x, cos, sin, cache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_static(self, x, cos, sin, kbuf, vbuf, pos, mask, rows=None,
+                       fused=None) -> torch.Tensor:
+        """The same block over static cache buffers at tensor positions pos [T] (what the
+        compiled programs trace; Attention.forward_static), a SwiGLU MLP."""
+        x = x + self.self_attn.forward_static(self.input_layernorm(x), cos, sin, kbuf, vbuf,
+                                              pos, mask, rows, fused)
+        return x + self.mlp(self.post_attention_layernorm(x), fused)
 
     def new_cache(self, batch: int, max_len: int):
         """This layer's cache (KV or latent, as its attention keeps)."""
