@@ -233,7 +233,9 @@ def _calibrate_args(sub) -> None:
     p.add_argument("--init", choices=["scratch", "head"], default="scratch",
                    help="scratch: new head from the trunk's last layer; head: existing head")
     p.add_argument("--head", help="head folder to start from")
-    p.add_argument("--draft-depth", type=int, default=1, help="chained depths to train")
+    p.add_argument("--draft-depth", type=int,
+                   help="chained depths to train; depth d trains MTP layer (d-1) %% layers "
+                        "(default: the head's MTP layer count, so every layer trains)")
     p.add_argument("--tokens", type=int, help="training tokens (default 1M)")
     p.add_argument("--steps", type=int, help="optimiser steps (instead of --tokens)")
     p.add_argument("--seq-len", type=int, default=256)

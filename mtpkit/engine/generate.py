@@ -199,6 +199,8 @@ class Engine:
         m.prompt_tokens = len(prompt_ids)
         drafter = drafter or self.drafter
         k = num_draft_tokens if drafter is not None else 0
+        if drafter is not None:  # the metrics count each MTP layer's drafts too
+            m.mtp_layers = len(drafter.model.mtp.layers)
         if eos_ids is None:
             eos_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         if params.ignore_eos:
@@ -245,6 +247,8 @@ class Engine:
             m.record(len(drafts), n_acc)
             # Keep the pending token and the accepted drafts; every cache returns there.
             cache.trim(st.pos + n_acc + 1)
+            if mtp_cache is not None and drafts:
+                rollback_mtp(mtp_cache, st.pos, st.pos + n_acc)
             if spec is not None:
                 st.mtp_start = st.pos
                 st.mtp_ids = torch.tensor([[*drafts[:n_acc], nxt]], device=self.device)
@@ -257,6 +261,21 @@ class Engine:
         if params.greedy:
             return int(logits[0].argmax())
         return int(sample(probs(logits[0], params), gen))
+
+
+def rollback_mtp(cache: ModelCache, start: int, end: int) -> None:
+    """Return every MTP layer's cache to what the verified tokens allow, after a round.
+
+    Layer 0 recomputes everything from ``start`` (the round's pending position, the next
+    catch-up's first) on. A layer i >= 1 is not caught up: it keeps its entries of the
+    accepted drafts, those before ``end`` (an entry at position p reads token p + 1), and
+    drops the later ones, made from rejected or unverified drafts, which its next draft step
+    would otherwise attend to.
+    """
+    for i, layer in enumerate(cache.layers):
+        keep = start if i == 0 else end
+        if layer.length > keep:
+            layer.trim(keep)
 
 
 def emit(tokens, res: Result, eos_ids, max_tokens: int, t0: float) -> Iterator[int]:

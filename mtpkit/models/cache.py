@@ -63,6 +63,10 @@ class KVCache:
             )
         self.k[:, :, self.length : end] = k
         self.v[:, :, self.length : end] = v
+        if self.valid is not None:
+            # A slot skipped once (skip_to) and written now, after a trim back over it, holds
+            # a real entry again.
+            self.valid[self.length : end] = True
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 

@@ -5,6 +5,8 @@ rather than through ``prometheus_client``: that keeps the server to its declared
 and lets one lock cover a consistent snapshot of every counter. Counters follow
 ``prometheus_client``'s convention (and so vLLM's output): the family ``vllm:x`` is exposed
 as the sample ``vllm:x_total``, so ``vllm bench serve`` and existing dashboards read ours.
+vLLM has no per-MTP-layer figure: those counters are mtpkit's own
+(``mtpkit:spec_decode_num_{draft,accepted}_tokens_per_layer``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 
 # Bucket bounds (seconds or tokens); chosen for CPU-to-GPU latencies and small-to-long prompts.
 _LATENCY = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -51,6 +54,11 @@ class ServeStats:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos: list[int] = []
+        # Per MTP layer (draft position p runs layer p % layers): drafts and acceptances.
+        self.drafts_per_layer: list[int] = []
+        self.accepted_per_layer: list[int] = []
+        # worker -> its per-layer counters when last accounted (dropped with the worker).
+        self._layer_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
         self.rejected: dict[str, int] = {}
         self.ttft = Histogram(_LATENCY)
@@ -81,6 +89,14 @@ class ServeStats:
             for i, v in enumerate(m.accepted_per_pos):
                 self.accepted_per_pos[i] += v - seen.per_pos[i]
                 seen.per_pos[i] = v
+            was = self._layer_seen.setdefault(worker, ([], []))
+            for mine, theirs, last in ((self.drafts_per_layer, m.drafts_per_layer, was[0]),
+                                       (self.accepted_per_layer, m.accepted_per_layer, was[1])):
+                for lst in (mine, last):
+                    lst.extend([0] * (len(theirs) - len(lst)))
+                for i, v in enumerate(theirs):
+                    mine[i] += v - last[i]
+                    last[i] = v
             new = worker.req.completion_tokens - seen.generated
             self.generation_tokens += new
             if new:
@@ -158,6 +174,17 @@ class ServeStats:
             for i, n in enumerate(self.accepted_per_pos):
                 sample("vllm:spec_decode_num_accepted_tokens_per_pos_total", n,
                        {"position": str(i)})
+            family("mtpkit:spec_decode_num_draft_tokens_per_layer", "counter",
+                   "Draft tokens proposed by each MTP layer (0-based; draft position p runs "
+                   "layer p % layers).")
+            for i, n in enumerate(self.drafts_per_layer):
+                sample("mtpkit:spec_decode_num_draft_tokens_per_layer_total", n,
+                       {"layer": str(i)})
+            family("mtpkit:spec_decode_num_accepted_tokens_per_layer", "counter",
+                   "Accepted draft tokens proposed by each MTP layer (0-based).")
+            for i, n in enumerate(self.accepted_per_layer):
+                sample("mtpkit:spec_decode_num_accepted_tokens_per_layer_total", n,
+                       {"layer": str(i)})
             histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", self.ttft)
             histogram("vllm:inter_token_latency_seconds",
                       "Time between a request's successive token batches.", self.itl)

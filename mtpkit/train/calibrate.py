@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,9 @@ class CalibrateConfig:
     out: str
     init: str = "scratch"  # "scratch": new head from the trunk's last layer; "head": existing
     head: str | None = None  # a head folder to start from (with init="head")
-    draft_depth: int = 1  # chained depths trained (each one more position ahead)
+    # Chained depths trained (each one more position ahead); depth d trains MTP layer
+    # layer_for(d - 1). None: the head's MTP layer count, so that every layer trains.
+    draft_depth: int | None = None
     tokens: int | None = None  # stop after this many training tokens (all ranks together)
     steps: int | None = None  # or after this many optimiser steps
     seed: int = 0
@@ -113,12 +116,50 @@ def chained_head_logits(model, head, ids: torch.Tensor, hidden: torch.Tensor, de
         n = t - 1 - d  # positions i with a known token i+d and a target at i+d
         if n <= 0:
             return
-        cos, sin = (getattr(model, "mtp_rotary", None) or model.rotary).cos_sin(
-            torch.arange(n, device=ids.device))
-        emb = model.model.embed_tokens(ids[:, d : d + n]).detach()
-        post, pre = head(emb, hidden[:, :n], d - 1, cos, sin, None)
+        if not _has_forward(head):
+            # A head run only through its model's mtp_forward (DeepSeek-V4's: its blocks
+            # route by token id); run() refuses such a head under torchrun.
+            out = model.mtp_forward(ids[:, d : d + n], hidden[:, :n], d - 1, 0, None)
+            post, pre = out.hidden, out.pre_norm
+        else:
+            cos, sin = (getattr(model, "mtp_rotary", None) or model.rotary).cos_sin(
+                torch.arange(n, device=ids.device))
+            emb = model.model.embed_tokens(ids[:, d : d + n]).detach()
+            post, pre = head(emb, hidden[:, :n], d - 1, cos, sin, None)
         yield d, n, logits_fn(post, d - 1)
         hidden = post if spec.chain_hidden == "post_norm" else pre
+
+
+def _has_forward(head) -> bool:
+    # Whether the head module runs a draft step itself (a DDP wrapper always does).
+    return type(head).forward is not torch.nn.Module.forward
+
+
+def resolve_draft_depth(cfg: CalibrateConfig, layers: int, new: bool) -> int:
+    """The depths to train: --draft-depth, by default the head's MTP layer count (depth d
+    trains layer (d - 1) % layers, so fewer depths leave the last layers untrained).
+
+    A depth below the layer count is refused for a new head (its other layers would be
+    written back as initialised); for an existing head it warns, naming the layers kept as
+    loaded (recalibrating only the first layers is a choice, e.g. on little data)."""
+    if cfg.draft_depth is None:
+        cfg.draft_depth = layers
+    if cfg.draft_depth < layers:
+        untouched = ", ".join(str(i) for i in range(cfg.draft_depth, layers))
+        fix = (f"drop --draft-depth (default: {layers}, every layer) or pass --draft-depth "
+               f"{layers} or more")
+        if new:
+            raise ValueError(f"--draft-depth {cfg.draft_depth} trains MTP layers "
+                             f"0..{cfg.draft_depth - 1} of a new {layers}-layer head; layers "
+                             f"{untouched} would be written untrained: {fix}")
+        warnings.warn(f"--draft-depth {cfg.draft_depth} trains MTP layers "
+                      f"0..{cfg.draft_depth - 1} only: layers {untouched} of this "
+                      f"{layers}-layer head are written back unchanged; to train every layer, "
+                      f"{fix}", stacklevel=2)
+    if cfg.seq_len < cfg.draft_depth + 2:
+        raise ValueError(f"--seq-len must be >= {cfg.draft_depth + 2} (--draft-depth "
+                         f"{cfg.draft_depth} + 2), got {cfg.seq_len}")
+    return cfg.draft_depth
 
 
 def distill_loss(
@@ -180,6 +221,11 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
         first = next(iter_chunks(tok, train_files, cfg.seq_len), None)
         init_scratch_head(model, torch.tensor([first], device=cfg.device) if first else None)
     head = model.mtp
+    resolve_draft_depth(cfg, len(head.layers), new)
+    if world > 1 and not _has_forward(head):
+        raise ValueError(f"{type(head).__name__} heads train in one process only (their "
+                         "draft steps run through the model, past the data-parallel "
+                         "wrapper): run calibrate without torchrun")
     if cfg.features and getattr(head, "head_type", None) == "eagle3":
         raise ValueError("--features caches the trunk's final state, not the three states an "
                          "EAGLE-3 head reads: drop --features for --head-type eagle3")
@@ -304,12 +350,14 @@ def _new_eagle3_head(cfg: CalibrateConfig, model, tok, files) -> None:
 def check_config(cfg: CalibrateConfig) -> None:
     """Refuse, before any work, settings that cannot train (ValueError naming the option)
     and an --out that would write over an input."""
+    # An unset depth becomes the head's layer count once it is loaded (resolve_draft_depth).
+    depth = 1 if cfg.draft_depth is None else cfg.draft_depth
     checks = [
-        (cfg.draft_depth >= 1, f"--draft-depth must be >= 1, got {cfg.draft_depth}"),
+        (depth >= 1, f"--draft-depth must be >= 1, got {depth}"),
         (cfg.tokens is None or cfg.tokens >= 1, f"--tokens must be >= 1, got {cfg.tokens}"),
         (cfg.steps is None or cfg.steps >= 1, f"--steps must be >= 1, got {cfg.steps}"),
-        (cfg.seq_len >= cfg.draft_depth + 2,
-         f"--seq-len must be >= {cfg.draft_depth + 2} (--draft-depth + 2), got {cfg.seq_len}"),
+        (cfg.seq_len >= depth + 2,
+         f"--seq-len must be >= {depth + 2} (--draft-depth + 2), got {cfg.seq_len}"),
         (cfg.batch_size >= 1, f"--batch-size must be >= 1, got {cfg.batch_size}"),
         (cfg.lr > 0, f"--lr must be > 0, got {cfg.lr}"),
         (0 <= cfg.heldout_fraction < 1,
