@@ -61,6 +61,7 @@ from torch import nn
 
 from .. import threads
 from ..models.attention import Attention, position_mask, row_kernel_fits
+from ..models.eagle3 import is_eagle3
 from ..models.layers import MLP, PreNormDecoderLayer, swapped
 from ..quant.kernels import aoti_c_shims, argmax_rows, int8_mm_available, kernel_choice
 from ..quant.kernels import source_digest as kernel_source_digest
@@ -94,7 +95,7 @@ DEFAULT_MAX_LEN = 2048  # cache positions of a FastDecoder unless the model's co
 def unsupported_reason(model) -> str | None:
     """Why ``model`` cannot take the fast path (None when it can)."""
     layers = list(model.model.layers)
-    if getattr(model.mtp, "head_type", None) == "eagle3":
+    if is_eagle3(model.mtp):
         # Its steps read three trunk states and its own lm_head, which the programs lack.
         return "EAGLE-3 heads run on the eager engine"
     if model.mtp is not None:

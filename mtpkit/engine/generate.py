@@ -13,6 +13,7 @@ import torch
 from .. import threads
 from ..models.base import CausalLM
 from ..models.cache import ModelCache
+from ..models.eagle3 import is_eagle3
 from ..quant.linear import linear_rows
 from .accept import accept_greedy, accept_sampled
 from .metrics import SpecMetrics
@@ -54,7 +55,7 @@ class MTPDrafter:
         self.model = model
         self.spec = model.mtp.spec
         self.vocab = None
-        if getattr(model.mtp, "head_type", None) == "eagle3":
+        if is_eagle3(model.mtp):
             # Its own lm_head over its own draft vocabulary, rows mapped to target ids by d2t;
             # a separately given vocabulary cannot apply.
             self.vocab = model.mtp.target_ids()

@@ -31,6 +31,11 @@ from .mtp import MTPSpec
 HEAD_TYPE = "eagle3"
 
 
+def is_eagle3(head) -> bool:
+    """Whether a model's draft head (``model.mtp``, None without one) is an EAGLE-3 head."""
+    return getattr(head, "head_type", None) == HEAD_TYPE
+
+
 def default_aux_layers(num_hidden_layers: int) -> list[int]:
     """vLLM's and llama.cpp's default layer ids for a head that names none."""
     return [2, num_hidden_layers // 2, num_hidden_layers - 3]

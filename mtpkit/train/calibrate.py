@@ -26,6 +26,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from ..engine.loader import load_model
+from ..models.eagle3 import is_eagle3
 from .data import iter_chunks, list_files, split_files
 from .heads import save_head, top_tokens
 
@@ -169,7 +170,7 @@ def distill_loss(
 
     ``head`` is the module to call (a DistributedDataParallel wrapper under torchrun).
     """
-    if getattr(model.mtp, "head_type", None) == "eagle3":
+    if is_eagle3(model.mtp):
         from .eagle3 import loss
 
         return loss(model, ids, depth, head)
@@ -226,7 +227,7 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
         raise ValueError(f"{type(head).__name__} heads train in one process only (their "
                          "draft steps run through the model, past the data-parallel "
                          "wrapper): run calibrate without torchrun")
-    if cfg.features and getattr(head, "head_type", None) == "eagle3":
+    if cfg.features and is_eagle3(head):
         raise ValueError("--features caches the trunk's final state, not the three states an "
                          "EAGLE-3 head reads: drop --features for --head-type eagle3")
     head.train()
@@ -323,7 +324,7 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
                     else out / "mtpkit_calibration.json")
             note.write_text(json.dumps(summary, indent=2, default=str))
         else:
-            if getattr(head, "head_type", None) == "eagle3":
+            if is_eagle3(head):
                 from .eagle3 import head_config
 
                 # Its vocabulary is its d2t; a draft_vocab.json would say another.

@@ -14,11 +14,6 @@ from ..models.eagle3 import HEAD_TYPE, Eagle3Head, default_aux_layers
 from .heads import HEAD_FORMAT_VERSION
 
 
-def is_eagle3(model) -> bool:
-    """Whether the model's head is an EAGLE-3 head."""
-    return getattr(model.mtp, "head_type", None) == HEAD_TYPE
-
-
 def new_head(model, vocab: list[int], aux_layers=None) -> Eagle3Head:
     """A new EAGLE-3 head on ``model`` (replacing any head), drafting from ``vocab``.
 

@@ -11,6 +11,7 @@ import torch
 from ..engine.generate import Engine, Result
 from ..engine.metrics import SpecMetrics
 from ..engine.sampling import SamplingParams
+from ..models.eagle3 import is_eagle3
 from ..quant.linear import linear_rows
 from .data import iter_chunks
 
@@ -77,7 +78,7 @@ def teacher_eval(
     # The draft vocabulary's rows of each step's output head in that head's own form (int8
     # codes stay codes), as the engine drafts with them; .weight would dequantize it whole.
     sub = vocab = None
-    if getattr(model.mtp, "head_type", None) == "eagle3":
+    if is_eagle3(model.mtp):
         # Its own lm_head scores its own draft vocabulary (rows -> token ids by d2t); it has
         # no full-vocabulary draft_head to take rows of.
         vocab, sub = model.mtp.target_ids(), [model.mtp.lm_head] * k

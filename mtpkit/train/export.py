@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..models.eagle3 import is_eagle3
 from ..quant.formats import scan
 
 
@@ -157,7 +158,7 @@ def export_head(model_path, head, out, fmt: str = "mimo", dtype: str = "bfloat16
     loaded = load_model(str(model_path), head=None if head is None else str(head),
                         dtype="float32", tokenizer=False)
     model = loaded.model
-    if getattr(model.mtp, "head_type", None) == "eagle3":
+    if is_eagle3(model.mtp):
         raise ValueError("export-head: this is an EAGLE-3 head, which MiMo's layout cannot "
                          "hold; use --format eagle3")
     tensors = mimo_tensors(model)
