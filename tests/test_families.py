@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from tiny import FAMILIES, FAMILY_IDS, VOCAB, write_checkpoint
+from tiny import FAMILIES, MORE_FAMILIES, VOCAB, write_checkpoint
 
 from mtpkit.engine.generate import Engine, MTPDrafter, Result
 from mtpkit.engine.loader import load_model
@@ -14,6 +14,12 @@ from mtpkit.engine.sampling import SamplingParams, probs, sample
 from mtpkit.models.cache import KVCache
 
 PROMPTS = [[3, 17, 42, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68], [5], [90, 1, 90, 1, 90, 1, 33]]
+
+# The shared table, and text-only Step-3.5-Flash (model_type step3p5 at the top level): its
+# logits are compared with transformers' Step-3.7 model built from the same weights, as
+# transformers 5.23 has no step3p5 model class (only its config, Step3p7TextConfig).
+FAMILIES = FAMILIES + [f for f in MORE_FAMILIES if f.name == "step3p5"]
+FAMILY_IDS = [f.name for f in FAMILIES]
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=FAMILY_IDS)

@@ -778,7 +778,9 @@ def test_awq_tensors_read_as_documented():
 
 # -- whole checkpoints ----------------------------------------------------------------------
 
-FAMS = ["llama", "qwen3_5_vlm", "deepseek_v3"]
+# glm_moe_dsa: tests/test_graft_families.py (its w4a16 copy routes one token of this
+# prompt to the other of two near-tied experts than its dequantization does)
+FAMS = ["llama", "qwen3_5_vlm", "deepseek_v3", "glm4_moe_lite", "kimi_k25", "mimo_v2_flash"]
 
 
 def _quantize(src, out, *args):

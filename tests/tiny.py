@@ -333,6 +333,27 @@ def _step_release_layout(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def _step3p5_release_layout(out: Path) -> None:
+    """A text-only Step-3.5-Flash folder (top-level model_type step3p5, no VLM wrapper) from
+    the Step-3.7 model transformers saved: the text config in the release's spelling at the
+    top level, the vision tower and projector dropped; the text tensors keep the names
+    transformers saves them under, the release's (model.layers.*, lm_head). transformers 5.23
+    has a config class for step3p5 (Step3p7TextConfig) but no model class: the Step-3.7
+    model built from the same weights is the reference its logits are compared with."""
+    cfg = json.loads((out / "config.json").read_text())
+    text = step_release_config(cfg["text_config"])
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if cfg["text_config"].get(key) is not None:
+            text[key] = cfg["text_config"][key]
+    (out / "config.json").write_text(json.dumps(text, indent=2))
+    tensors = load_file(out / "model.safetensors")
+    vision = ("vision_model.", "vit_large_projector.", "model.vision_model.",
+              "model.vit_large_projector.")
+    kept = {k: v.contiguous() for k, v in tensors.items() if not k.startswith(vision)}
+    assert not any(k.startswith("model.language_model.") for k in kept)
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+
+
 def _kimi_k25():
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
@@ -437,6 +458,10 @@ FAMILY_IDS = [f.name for f in FAMILIES]
 MORE_FAMILIES = [
     Family("qwen3_5_moe_vlm", _qwen3_5_moe, mtp_config_key="mtp_num_hidden_layers",
            vlm_layout=True),
+    # Step-3.5-Flash: the text-only release (model_type step3p5 at the top level), three MTP
+    # layers at model.layers.{N + i}.* as released; tests/test_families.py runs it.
+    Family("step3p5", _step3p7, mtp_layout="step3p7", rewrite=_step3p5_release_layout,
+           mtp_layers=STEP_MTP_LAYERS),
 ]
 
 

@@ -244,6 +244,17 @@ _VLLM_MTP_CLASS = {
 }
 # Families whose MTP layer sits at model.layers.{L + i} with enorm/hnorm/eh_proj/shared_head.
 _NEXTN = _MLA | _GLM
+# Kimi-K2.5 (kimi_k25): the DeepSeek-V3 text model (text_config kimi_k2) below the wrapper's
+# language_model. prefix. vLLM's KimiK25ForConditionalGeneration (kimi_k25.py) builds it as a
+# DeepseekV3ForCausalLM at the prefix language_model (language_model.model.layers.N.*, MLA's
+# fused_qkv_a_proj, language_model.lm_head) and maps NVIDIA's NVFP4 names
+# language_model.layers.* there (hf_to_vllm_mapper, exact ignore entries too). SGLang's
+# (kimi_k25.py) builds its DeepseekV3ForCausalLM without a prefix (model.layers.N.*,
+# fused_qkv_a_proj_with_mqa, lm_head; its loader strips language_model. from the weights,
+# never from ignore entries). Neither builds an MTP draft for it: MTP layers are not built.
+_KIMI_VLM = {"kimi_k25"}
+_KIMI_TEXT = "kimi_k2"
+_KIMI_NVFP4 = (("language_model.layers.", "language_model.model.layers."),)
 _NEXTN_OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
 # Families whose MTP layers are stored as model.mtp.layers.{i}.* (vLLM's MiMoV2MTP).
 _MIMO_V2 = {"mimo_v2_flash"}
@@ -419,6 +430,8 @@ def describe(
         kind = _leaf_kind(name)
         return RuntimeModule(name, (), kind != "never", _is_mtp_name(name, n_layer), kind=kind)
 
+    if mt in _KIMI_VLM:
+        return _describe_kimi(name, engine, config, vllm_version)
     if mt in _DSV4 and engine == "vllm":
         return _describe_dsv4(name, n_layer)
     if mt in _DSV4 and engine == "sglang":
@@ -514,6 +527,26 @@ def describe(
             shards = tuple(f"{prefix}.{s}" if prefix else s for s in shard_leaves)
             return RuntimeModule(runtime, shards, True, mtp, fused=True, kind="fused")
     return RuntimeModule(name, (), True, mtp)
+
+
+def _describe_kimi(disk: str, engine: str, config: dict | None,
+                   vllm_version: str | tuple | None) -> RuntimeModule:
+    """The Kimi-K2.5 module vLLM or SGLang builds for an on-disk module (see _KIMI_VLM)."""
+    name = _apply_prefixes(disk, _KIMI_NVFP4)
+    if name.startswith("language_model.model."):
+        inner = "model." + name[len("language_model.model."):]
+    elif name == "language_model.lm_head":
+        inner = "lm_head"
+    else:  # the vision tower and projector, under their on-disk names
+        return describe(disk, None, engine, config=config, vllm_version=vllm_version)
+    if _is_mtp_name(inner, _num_layers(config)):
+        kind = _leaf_kind(inner)
+        return RuntimeModule(name, (), kind != "never", True, kind=kind, built=False)
+    rt = describe(inner, _KIMI_TEXT, engine, config=config, vllm_version=vllm_version)
+    if engine == "sglang":
+        return rt
+    return replace(rt, name="language_model." + rt.name,
+                   shards=tuple("language_model." + s for s in rt.shards))
 
 
 def _describe_step(engine: str, layer: int, rest: str, n_layer: int | None,
@@ -758,6 +791,10 @@ def map_ignore_entries(
                 e = _apply_prefixes(e, _DSV4_PREFIXES)
             out.append(e)
         return out
+    if engine == "vllm" and mt in _KIMI_VLM:
+        # KimiK25ForConditionalGeneration's hf_to_vllm_mapper (NVFP4 exports' prefix).
+        return [_apply_prefixes(e, _KIMI_NVFP4) if "." in e and not e.startswith("re:")
+                else e for e in ignore]
     if engine == "vllm" and mt in _STEP:
         # Step3p5ForCausalLM's substring map, applied to every dotted exact entry as to the
         # weights (an entry already naming moe.share_expert gets the prefix twice, as there).

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.runtime_names import (
     _MIMO_V2,
+    _MIMO_V2_VLLM_LAYERS,
     IgnoreStatus,
     VllmRules,
     describe,
@@ -37,6 +38,9 @@ from .layout import (
 HF_ENGINES = ("vllm", "sglang", "mtpkit")
 # model_types with MTP-style layers vLLM builds no MTP draft for (config/speculative.py).
 _NO_VLLM_MTP = {"deepseek_v2", "kimi_k2"}
+# model_type -> the MTP layers vLLM's draft builds whatever the checkpoint stores (the others
+# build every stored layer and draft step i with layer i mod n, as mtpkit does).
+_VLLM_MTP_LAYERS_BUILT = {mt: _MIMO_V2_VLLM_LAYERS for mt in _MIMO_V2}
 GGUF_ENGINES = ("llama.cpp", "mtpkit")
 ALL_ENGINES = ("vllm", "sglang", "llama.cpp", "mtpkit")
 _FUSING = ("vllm", "sglang")
@@ -174,6 +178,19 @@ def _check_presence(rep, lay: HFLayout, mtp_names, n_mtp, key, declared, engines
             "vLLM reads layer 0 only; mtpkit runs layer i at draft step i",
             "to draft with layer 0 in SGLang, keep only layer 0 in the copy it loads",
             ["sglang"], "model.mtp.layers"))
+    built = _VLLM_MTP_LAYERS_BUILT.get(mt)
+    if "vllm" in engines and built is not None and n_mtp > built:
+        rep.add(Finding(
+            "vllm-one-mtp-layer", "info",
+            f"{n_mtp} MTP layers are stored; vLLM builds layer 0 only and drafts every step "
+            "with it, where mtpkit drafts step i with layer i",
+            f"vLLM's {vllm_mtp_class(mt)} builds {built} MTP layer and its loader skips the "
+            "other layers' tensors; acceptance mtpkit measures at k >= 2 (eval, bench, "
+            "doctor --measure) comes from layers vLLM never runs and does not carry over "
+            "(at k = 1 both draft with layer 0)",
+            "to measure what vLLM runs, give mtpkit a copy whose config declares 1 MTP "
+            "layer: it then drafts every step with layer 0, as vLLM does",
+            ["vllm"], "model.mtp.layers"))
     if not declared_n:
         severity = "error"
         why = ("engines enable the MTP head from this field: without it the head's "

@@ -46,6 +46,8 @@ CODES = {
     "engine-no-mtp-class": "MTP tensors stored for a model_type vLLM builds no MTP draft for",
     "sglang-one-mtp-layer": "SGLang builds one MiMo-V2 MTP layer and loads every stored one "
                             "into it",
+    "vllm-one-mtp-layer": "vLLM drafts every step with MTP layer 0 of a several-layer head; "
+                          "mtpkit drafts step i with layer i",
     "dsa-mtp-index-share": "vLLM reuses a GLM-5 MTP layer's first key selection; mtpkit does not",
     "vllm-version-range": "the quantization config loads as stored in some vLLM releases only",
     "quantized-tensors-missing": "a module stored quantized lacks tensors its format needs",

@@ -23,8 +23,9 @@ from ..outputs import publish
 from .findings import Report
 from .layout import (
     DEEPSEEK_STYLE,
+    MIMO_V2_STYLE,
     QWEN35,
-    QWEN_MTP,
+    STEP_STYLE,
     HFLayout,
     get_key,
     is_mtp_tensor,
@@ -334,7 +335,8 @@ def _source_head(src: Path, dst_lay: HFLayout) -> tuple[dict, str]:
         tensors = {n: g.get_tensor(n) for n in names}
         dtype = _float_dtype(dst_lay)
         tensors = {n: t.to(dtype) for n, t in tensors.items()}
-        return _to_layout(tensors, g.n_layer, dst_lay), f"{src.name} (GGUF {g.arch})"
+        return (_to_layout(tensors, g.n_layer, dst_lay, g.arch),
+                f"{src.name} (GGUF {g.arch})")
     lay = read_hf(src)
     if lay.text_model_type != dst_lay.text_model_type:
         raise ValueError(
@@ -375,15 +377,17 @@ def _float_dtype(lay: HFLayout):
     return torch.bfloat16
 
 
-def _to_layout(tensors: dict, n_src: int, lay: HFLayout) -> dict:
-    """Head tensors read from a GGUF (mtp.* for Qwen archs, model.layers.{n}.* otherwise)
-    -> the destination family's on-disk layout."""
+def _to_layout(tensors: dict, n_src: int, lay: HFLayout, arch: str | None = None) -> dict:
+    """Head tensors read from a GGUF (mtp.* for Qwen archs, model.layers.{n}.* or
+    model.mtp.layers.{i}.* otherwise) -> the destination family's on-disk layout."""
     from ..models.mtp import MIMO_NAMES, map_nextn_name
 
-    mt, n_dst = lay.text_model_type, lay.n_layer
+    mt = lay.text_model_type
+    if mt in DEEPSEEK_STYLE | STEP_STYLE | MIMO_V2_STYLE:
+        return _release_layout(tensors, n_src, lay, arch)
     out = {}
     for name, t in tensors.items():
-        if mt in QWEN_MTP or mt not in DEEPSEEK_STYLE | {"mimo"}:
+        if mt != "mimo":  # Qwen's mtp.* layout, or an mtpkit head over a Llama-family trunk
             mapped = map_nextn_name(name, n_src) if name.startswith("model.layers.") else name
             if mapped is None:
                 continue  # copies of the trunk's lm_head / embedding
@@ -396,11 +400,6 @@ def _to_layout(tensors: dict, n_src: int, lay: HFLayout) -> dict:
                     f"but a {mt} head has one set shared by all its layers; graft a source "
                     "with one MTP layer (or a Qwen3.5-layout mtp.* head) instead")
             out[mapped] = t
-        elif mt in DEEPSEEK_STYLE:
-            m = re.match(r"model\.layers\.(\d+)\.(.+)", name)
-            if not m:
-                raise ValueError(f"unexpected head tensor {name} for {mt}")
-            out[f"model.layers.{n_dst + int(m[1]) - n_src}.{m[2]}"] = t
         else:  # mimo
             mapped = map_nextn_name(name, n_src)
             if mapped is None:
@@ -417,18 +416,189 @@ def _to_layout(tensors: dict, n_src: int, lay: HFLayout) -> dict:
     return out
 
 
-def _check_head_shapes(head: dict, lay: HFLayout) -> None:
-    """Every grafted tensor must have the shape the destination's config implies."""
+# Pseudo-names (mtp.*) for the copies of the trunk's lm_head and embedding that a release's
+# MTP layer i stores (the model maps the head copy of Step-3.5/3.7 to mtp.heads.{i}, a layer's
+# own output head; DeepSeek-style copies it does not read).
+_HEAD_COPY = "mtp.heads.{}.weight"
+_EMBED_COPY = "mtp.embed_copies.{}.weight"
+_OWN_MODULES = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")
+
+
+@dataclass
+class _ReleaseLayout:
+    """Where a family's release keeps MTP layer i's tensors."""
+
+    prefix: str  # format string over n (num_hidden_layers + i), i and tp (the text prefix)
+    own: dict  # mtpkit's own-module names (fc, norm, ...) -> the release's
+    copies: dict = field(default_factory=dict)  # "head" / "embed" -> name below the prefix
+    block_renames: tuple = ()  # (mtpkit's, the release's) substrings of block names
+
+
+def _release_spec(mt: str) -> _ReleaseLayout:
+    """The release layout of a DeepSeek-style, Step or MiMo-V2 family. The own-module names
+    are the model classes' own tables read backwards; what those tables cannot say (which
+    copies a release stores, Step's transformer. infix) is written out here, and every name
+    is checked against the class's checkpoint-name map before anything is written."""
+    from ..models.mimo_v2_flash import _MTP_OWN as MIMO_V2_OWN
+    from ..models.mtp import NEXTN_NAMES
+    from ..models.step3p7 import _MTP_OWN as STEP_OWN
+
+    if mt in STEP_STYLE:
+        own = {ours: ("transformer." + rel if rel.startswith("shared_head.") else rel)
+               for rel, ours in STEP_OWN.items()}
+        return _ReleaseLayout("model.layers.{n}.", own,
+                              {"head": "transformer.shared_head.output.weight"})
+    if mt in MIMO_V2_STYLE:
+        return _ReleaseLayout("model.mtp.layers.{i}.", {o: r for r, o in MIMO_V2_OWN.items()},
+                              block_renames=(("post_attention_layernorm", "pre_mlp_layernorm"),
+                                             ("self_attn.sinks", "self_attn.attention_sink_bias")))
+    return _ReleaseLayout("{tp}layers.{n}.", {o: r for r, o in NEXTN_NAMES.items()},
+                          {"head": "shared_head.head.weight", "embed": "embed_tokens.weight"})
+
+
+def _family_model(lay: HFLayout, n_mtp: int):
+    """The destination's family model with ``n_mtp`` MTP layers, on the meta device."""
     import torch
 
     from ..models.registry import family_for
 
     config = dict(lay.config)
-    n = mtp_layer_count(list(head), lay.n_layer)
-    config["num_nextn_predict_layers"] = config["mtp_num_hidden_layers"] = max(n, 1)
+    config["num_nextn_predict_layers"] = config["mtp_num_hidden_layers"] = max(n_mtp, 1)
     cls = family_for(config.get("model_type"))
     with torch.device("meta"):
-        model = cls(cls.config_class.from_hf_config(config))
+        return cls(cls.config_class.from_hf_config(config))
+
+
+def _release_layout(tensors: dict, n_src: int, lay: HFLayout, arch: str | None) -> dict:
+    """A GGUF head (the reader's names: model.layers.{n_src + i}.*, model.mtp.layers.{i}.*) in
+    the destination family's release names, every MTP layer of it, with the copies of the
+    trunk's lm_head / embedding the release stores in each layer (the source's where it has
+    them, else the destination's own). The destination class's checkpoint-name map reads
+    the source's names, and must read each written name back as the same parameter."""
+    mt, n_dst = lay.text_model_type, lay.n_layer
+    n_mtp = mtp_layer_count(list(tensors), n_src)
+    model = _family_model(lay, n_mtp)
+    spec = _release_spec(mt)
+    ours: dict[str, object] = {}
+    for name, t in tensors.items():
+        m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+        if m and int(m[1]) >= n_src:
+            name = f"model.layers.{n_dst + int(m[1]) - n_src}.{m[2]}"
+        mapped = model.map_checkpoint_name(name)
+        if mapped is None:
+            copy = re.match(r"model\.layers\.(\d+)\.(shared_head\.head|embed_tokens)\.weight$",
+                            name)
+            if copy is None:
+                continue
+            i = int(copy[1]) - n_dst
+            mapped = (_HEAD_COPY if copy[2] == "shared_head.head" else _EMBED_COPY).format(i)
+        if not mapped.startswith("mtp."):
+            raise ValueError(f"GGUF tensor {name} has no place in a {mt} MTP head: is the "
+                             "GGUF of the same model?")
+        ours[mapped] = t
+    if arch in ("deepseek2", "glm-dsa") and not lay.config.get("rope_interleave", True):
+        ours = {k: _rope_rows_to_halves(k, v, lay.config) for k, v in ours.items()}
+    prefix = _text_prefix(lay, model)
+    trunk: dict | None = None
+    out: dict[str, object] = {}
+    for i in range(n_mtp):
+        for kind in spec.copies:
+            key = (_HEAD_COPY if kind == "head" else _EMBED_COPY).format(i)
+            if key not in ours:
+                if trunk is None:
+                    trunk = _trunk_shared(lay, model)
+                if kind in trunk:
+                    ours[key] = trunk[kind].clone()
+    for key, t in ours.items():
+        name = _release_name(key, spec, prefix, n_dst)
+        if name is None:
+            continue
+        back = model.map_checkpoint_name(name)
+        copy = key.startswith(("mtp.heads.", "mtp.embed_copies."))
+        if back != key and not (copy and back is None):
+            raise ValueError(f"graft would write {name} for {key}, which the {mt} model reads "
+                             f"as {back}; this family's layout is not known well enough")
+        out[name] = t
+    return out
+
+
+def _release_name(key: str, spec: _ReleaseLayout, tp: str, n: int) -> str | None:
+    """mtpkit's name of an MTP tensor (or a copy's pseudo-name) -> the release's."""
+    if m := re.fullmatch(r"mtp\.(heads|embed_copies)\.(\d+)\.weight", key):
+        sub = spec.copies.get("head" if m[1] == "heads" else "embed")
+        i = int(m[2])
+        rest = sub
+    elif m := re.fullmatch(r"mtp\.(?:per_layer\.(\d+)\.)?(\w+)\.(\w+)", key):
+        if m[2] not in _OWN_MODULES:
+            raise ValueError(f"no release name for MTP tensor {key}")
+        i, rest = int(m[1] or 0), f"{spec.own[m[2]]}.{m[3]}"
+    elif m := re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", key):
+        i, rest = int(m[1]), m[2]
+        for a, b in spec.block_renames:
+            rest = rest.replace(a, b)
+    else:
+        raise ValueError(f"no release name for MTP tensor {key}")
+    if rest is None:
+        return None
+    return spec.prefix.format(tp=tp, n=n + i, i=i) + rest
+
+
+def _text_prefix(lay: HFLayout, model) -> str:
+    """What comes before layers.N. in the destination's trunk names (model., Kimi-K2.5's
+    language_model.model.): the prefix of a stored name its class reads as layer 0's."""
+    want = "model.layers.0."
+    for name in lay.names():
+        mapped = model.map_checkpoint_name(name)
+        if mapped and mapped.startswith(want) and (k := name.find("layers.0.")) >= 0:
+            return name[:k]
+    return "model."
+
+
+def _trunk_shared(lay: HFLayout, model) -> dict:
+    """The destination's float lm_head and embedding ("head", "embed"), which a release's MTP
+    layers store copies of (a tied lm_head: the embedding)."""
+    from safetensors import safe_open
+
+    found = {}
+    for name in lay.names():
+        mapped = model.map_checkpoint_name(name)
+        kind = {"lm_head.weight": "head", "model.embed_tokens.weight": "embed"}.get(mapped)
+        if kind and lay.dtypes[name] in ("BF16", "F16", "F32"):
+            with safe_open(str(lay.path / lay.file_of[name]), framework="pt") as h:
+                found[kind] = h.get_tensor(name)
+    if "head" not in found and "embed" in found and lay.config.get("tie_word_embeddings"):
+        found["head"] = found["embed"]
+    return found
+
+
+def _rope_rows_to_halves(key: str, t, cfg: dict):
+    """A GGUF MLA head's rope rows (adjacent pairs, as llama.cpp stores them) back to the
+    half-split order of a destination whose config says rope_interleave false."""
+    if key.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
+        heads = int(cfg["num_attention_heads"])
+    elif key.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+        heads = 0
+    else:
+        return t
+    rope = int(cfg["qk_rope_head_dim"])
+    t = t.clone()
+
+    def halves(rows):  # [..., rope, in]: adjacent pairs -> halves
+        lead = rows.shape[:-2]
+        split = rows.reshape(*lead, rope // 2, 2, rows.shape[-1])
+        return split.transpose(-3, -2).reshape(rows.shape)
+
+    if heads:
+        per_head = t.view(heads, -1, t.shape[-1])
+        per_head[:, -rope:] = halves(per_head[:, -rope:])
+    else:
+        t[-rope:] = halves(t[-rope:])
+    return t
+
+
+def _check_head_shapes(head: dict, lay: HFLayout) -> None:
+    """Every grafted tensor must have the shape the destination's config implies."""
+    model = _family_model(lay, mtp_layer_count(list(head), lay.n_layer))
     params = {k: tuple(v.shape) for k, v in model.named_parameters()}
     for name, t in head.items():
         mapped = model.map_checkpoint_name(name)

@@ -10,16 +10,26 @@ from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
 
-# Families whose releases carry a native MTP head.
+# Families whose releases carry a native MTP head (GLM-4.7-Flash and GLM-5 ship one layer).
 NATIVE_MTP = {
     "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-    "deepseek_v3", "glm4_moe", "mimo", "mimo_v2_flash", "deepseek_v4", "step3p5", "step3p7",
+    "deepseek_v3", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "mimo", "mimo_v2_flash",
+    "deepseek_v4", "step3p5", "step3p7",
 }
 QWEN35 = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
 QWEN_MTP = QWEN35 | {"qwen3_next"}  # heads stored as mtp.*
-DEEPSEEK_STYLE = {"deepseek_v3", "glm4_moe"}  # heads stored as model.layers.{L + i}.*
+# Heads stored as model.layers.{L + i}.{enorm, hnorm, eh_proj, shared_head.*, embed_tokens,
+# the block} (Kimi-K2.5: below its wrapper's language_model.model. prefix).
+DEEPSEEK_STYLE = {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "kimi_k2",
+                  "kimi_k25"}
+# Step-3.5 / 3.7: model.layers.{L + i}.{enorm, hnorm, eh_proj, transformer.shared_head.*,
+# the block}, every layer with its own copy of the lm_head (shared_head.output).
+STEP_STYLE = {"step3p5", "step3p7"}
+# MiMo-V2-Flash: model.mtp.layers.{i}.{enorm, hnorm, eh_proj, final_layernorm, the block}.
+MIMO_V2_STYLE = {"mimo_v2_flash"}
 # GGUF architectures whose releases carry nextn layers.
-GGUF_NATIVE_MTP = {"qwen3next", "qwen35", "qwen35moe", "deepseek2", "glm4moe", "mimo"}
+GGUF_NATIVE_MTP = {"qwen3next", "qwen35", "qwen35moe", "deepseek2", "glm4moe", "glm-dsa",
+                   "step35", "mimo2", "mimo"}
 
 # Suffixes a quantized module stores, per format: (required, optional).
 QUANT_FORMATS = {
