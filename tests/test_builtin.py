@@ -91,11 +91,17 @@ def test_default_weights_are_the_float16_ones_in_int8(converted):
 
 @pytest.mark.skipif(builtin_head() is None, reason="no head shipped in this checkout")
 def test_default_int8_model_is_lossless_and_close_to_float16(converted):
-    """The default model decodes with MTP exactly as without (through the int8 kernels,
-    compiled or not), and its greedy text stays close to the float16 model's."""
+    """The default model (its head in int8 too) decodes with MTP exactly as without
+    (through the int8 kernels, compiled or not), and its greedy text stays close to the
+    float16 model's."""
+    from mtpkit.quant.linear import QuantLinear
+
     session = Session.load(None)
     ref = Session.load("builtin-f16")
     assert session.engine.has_mtp
+    # The shipped float head drafts with int8 weights beside the int8 trunk, not the f16 one.
+    assert isinstance(session.engine.model.mtp.layers[0].mlp.down_proj, QuantLinear)
+    assert not any(isinstance(m, QuantLinear) for m in ref.engine.model.mtp.modules())
     prompt = session.encode_prompt("import os\n\ndef list_python_files(root):\n", chat=False)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     want = list(session.engine.generate(prompt, params, 0))

@@ -959,6 +959,43 @@ def test_mtp_same_quantizes_the_head_too(checkpoint_factory, tmp_path):
     assert not isinstance(q.model.mtp.fc, QuantLinear)  # the combine projection stays float
 
 
+@pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's int8 kernels did not build")
+def test_float_head_over_an_int8_trunk_drafts_with_int8_weights(checkpoint_factory, tmp_path):
+    """A float head beside a trunk whose every GEMM and lm_head hold int8 weights with float
+    activations is given int8 weights at load (Session.load): the codes and scales
+    `quantize --mtp same` writes for the same layers, and output with MTP stays that
+    without. W8A8 and float trunks keep their float head."""
+    from mtpkit.quant.pack import int8_head_beside_int8_trunk
+
+    src = checkpoint_factory("llama")
+    _quantize(src, tmp_path / "keep", "--scheme", "w8a16", "--lm-head", "same")
+    _quantize(src, tmp_path / "same", "--scheme", "w8a16", "--lm-head", "same", "--mtp", "same")
+    q, _ = _load(tmp_path / "keep")
+    floats = {n: m for n, m in q.model.mtp.named_modules() if type(m) is torch.nn.Linear}
+    assert floats and int8_head_beside_int8_trunk(q.model) == len(floats)
+    stored = dict(_load(tmp_path / "same")[0].model.mtp.named_modules())
+    compared = 0
+    for name in floats:
+        mine = q.model.mtp.get_submodule(name)
+        assert isinstance(mine, QuantLinear) and mine.row_exact and mine.act_quant is None
+        if isinstance(stored[name], QuantLinear):  # quantize keeps the combine fc float
+            assert torch.equal(mine.codes, stored[name].codes), name
+            assert torch.equal(mine.scale, stored[name].scale.float()), name
+            compared += 1
+    assert compared >= 7  # the decoder layer's q/k/v/o and gate/up/down
+    engine = Engine(q.model)
+    ids = list(range(3, 15))
+    p = SamplingParams(max_tokens=24, ignore_eos=True)
+    res = Result()
+    assert list(engine.generate(ids, p, 3, result=res)) == list(engine.generate(ids, p, 0))
+    assert res.metrics.num_accepted_tokens > 0
+    _quantize(src, tmp_path / "w8a8", "--scheme", "w8a8", "--lm-head", "same")
+    for other in (tmp_path / "w8a8", src):
+        model = _load(other)[0].model
+        assert int8_head_beside_int8_trunk(model) == 0
+        assert not any(isinstance(m, QuantLinear) for m in model.mtp.modules())
+
+
 def test_gguf_output_keeps_the_nextn_layers(checkpoint_factory, tmp_path):
     from mtpkit.checkpoint.gguf import open_gguf
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..quant.linear import route_rows_through_kernel
+from ..quant.pack import int8_head_beside_int8_trunk
 from .generate import Engine, Result
 from .loader import load_model
 from .metrics import SpecMetrics
@@ -49,6 +50,7 @@ class Session:
         # with it. A no-op where the model is not fp32 on a CPU or the kernels cannot build.
         # Weights stored in 16 bits stay in them (widened exactly in the kernel, so the
         # same bits as upcast ones, at half the bytes a step reads).
+        int8_head_beside_int8_trunk(loaded.model)
         route_rows_through_kernel(loaded.model, stored_half_dtype(loaded.checkpoint))
         vocab = None if full_draft_vocab else loaded.draft_vocab
         if draft_vocab_size is not None:

@@ -129,3 +129,52 @@ def config_group(scheme: Scheme, targets: list[str]) -> dict:
                               input_activations=scheme.input_args()).model_dump(
         exclude_none=True, mode="json"
     )
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8 codes [N, K] and scales [N, 1] of a float weight,
+    round to nearest with the scales of ``w8a16`` (what `mtpkit quantize` writes)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    w = weight.detach().float()
+    scale, _ = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True),
+                                 Scheme("w8a16").args())
+    scale = scale.reshape(-1, 1).float()
+    return torch.round(w / scale).clamp(-128, 127).to(torch.int8), scale
+
+
+def int8_head_beside_int8_trunk(model) -> int:
+    """Give a float draft head int8 weights (per channel, RTN) where every trunk GEMM and
+    the lm_head hold int8 weights with float activations on mtpkit's kernels; returns how
+    many Linears it changed.
+
+    A draft step then reads a quarter of the bytes it read (the shipped head is 17 MB in
+    fp32 beside a 135 MB int8 trunk, a tenth of every round's weight stream). Output cannot
+    change: drafts only propose, the trunk verifies each one; acceptance moves by the
+    rounding of the head's weights (docs/quantization.md)."""
+    from torch import nn
+
+    from .linear import QuantLinear
+
+    head = getattr(model, "mtp", None)
+    if head is None:
+        return 0
+    trunk = [m for m in model.model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    trunk.append(model.lm_head)
+    if not trunk or not all(
+            isinstance(m, QuantLinear) and m.kind == "int" and m.bits == 8
+            and m.group_size is None and m.zero is None and m.perm is None
+            and m.act_quant is None and m.row_exact for m in trunk):
+        return 0
+    n = 0
+    for parent in list(head.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32:
+                codes, scale = int8_rows(child.weight)
+                q = QuantLinear.from_int(codes.to(child.weight.device),
+                                         scale.to(child.weight.device), None, 8, None,
+                                         bias=None if child.bias is None
+                                         else child.bias.detach().float())
+                setattr(parent, name, q)
+                n += 1
+    return n
