@@ -139,21 +139,30 @@ class Stub:
     """A streaming OpenAI-style server in a thread; ``fail_every`` requests end in an error
     event, ``usage`` sends a final usage chunk claiming two tokens a chunk."""
 
-    def __init__(self, fail_every=0, usage=True, metrics=True):
+    def __init__(self, fail_every=0, usage=True, metrics=True, loading_polls=0):
         self.fail_every, self.usage, self.metrics = fail_every, usage, metrics
+        # /health answers 503 this many times (a model still loading), and so do requests.
+        self.loading_polls, self.health_calls = loading_polls, 0
         self.n = 0
         self.counts = {k: (list(v) if isinstance(v, list) else v) for k, v in START.items()}
         self.bodies = []
 
     def app(self):
         from fastapi import FastAPI
-        from fastapi.responses import PlainTextResponse, StreamingResponse
+        from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
         app = FastAPI()
 
         @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
+
+        @app.get("/health")
+        async def health():
+            self.health_calls += 1
+            if self.health_calls <= self.loading_polls:
+                return JSONResponse({"status": "loading"}, 503)
+            return JSONResponse({"status": "ok"})
 
         @app.get("/metrics")
         async def metrics():
@@ -171,6 +180,9 @@ class Stub:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
+            if self.health_calls <= self.loading_polls:
+                return JSONResponse({"error": {"message": "the model is still loading",
+                                               "code": "model_loading"}}, 503)
             body = await request.json()
             self.bodies.append(body)
             self.n += 1
@@ -304,6 +316,16 @@ def test_serve_latencies_and_spec_counters(tmp_path, capsys):
         assert s["per_position_acceptance_rate"] == pytest.approx(
             [x / PER_REQ["drafts"] for x in PER_REQ["per_pos"]])
     assert "TTFT p99 ms" in out and "spec: mean acceptance length" in out
+
+
+def test_serve_waits_for_a_loading_server(tmp_path, capsys):
+    """A server still loading its model (/health 503, requests 503, as mtpkit serve and
+    llama-server answer then) is waited for: every request of every level succeeds."""
+    with Stub(loading_polls=3) as stub:
+        code, _, err, res = _serve(capsys, tmp_path, stub, "--endpoint", "completions")
+    assert code == 0, err
+    assert stub.health_calls == 4 and "finish loading" in err
+    assert [lv["completed"] for lv in res["levels"]] == [4, 4]
 
 
 def test_serve_error_event_mid_stream_is_a_failure(tmp_path, capsys):

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 from .common import summarize
 from .prompts import Prompt
+
+READY_POLL_S = 0.5  # how often a loading server's /health is asked again
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -166,6 +169,29 @@ class ServeBench:
             raise ValueError(f"{self.api}/models did not list a model (HTTP {r.status_code}); "
                              "pass --model NAME") from None
 
+    async def wait_ready(self, client, timeout_s: float = 900.0) -> None:
+        """Wait while the server's /health answers 503 (mtpkit serve and llama-server while
+        the model loads: requests sent then fail, and a level would measure nothing); any
+        other answer, or no /health at all, ends the wait."""
+        import httpx
+
+        deadline, told = time.monotonic() + timeout_s, False
+        while True:
+            try:
+                r = await client.get(f"{self.root}/health", headers=self.headers, timeout=30)
+            except httpx.HTTPError:
+                return  # unreachable: resolve_model says so
+            if r.status_code != 503:
+                return
+            if time.monotonic() > deadline:
+                raise ValueError(f"{self.root}/health still answers 503 after {timeout_s:.0f} s "
+                                 f"({r.text[:200]}): the server is not ready")
+            if not told:
+                print(f"waiting for {self.root} to finish loading (/health: 503) ...",
+                      file=sys.stderr)
+                told = True
+            await asyncio.sleep(READY_POLL_S)
+
     async def read_counters(self, client) -> dict | None:
         """Spec-decode counters from /metrics, or None (no endpoint, no counters)."""
         import httpx
@@ -291,6 +317,7 @@ class ServeBench:
         limits = httpx.Limits(max_connections=max(concurrencies) + 2,
                               max_keepalive_connections=max(concurrencies) + 2)
         async with httpx.AsyncClient(limits=limits, timeout=self.timeout_s) as client:
+            await self.wait_ready(client)
             self.model = await self.resolve_model(client)
             levels = []
             for c in concurrencies:
