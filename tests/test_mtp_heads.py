@@ -18,7 +18,7 @@ import broken
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import VOCAB, write_deepseek_v4
+from tiny import VOCAB
 
 from mtpkit.checkpoint import open_checkpoint
 from mtpkit.doctor.checks import diagnose
@@ -58,26 +58,6 @@ def _load(path):
         return load_model(path, tokenizer=False)
 
 
-@pytest.fixture(scope="module")
-def source(checkpoint_factory, tmp_path_factory):
-    """family -> its tiny checkpoint, each MTP layer's copy of the lm_head equal to it."""
-    made = {}
-
-    def get(name: str):
-        if name not in made:
-            if name == "deepseek_v4":
-                out = tmp_path_factory.mktemp(name)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    write_deepseek_v4(out)
-                made[name] = out
-            else:
-                made[name] = checkpoint_factory(name)
-        return made[name]
-
-    return get
-
-
 def copies(path, name: str) -> dict[int, torch.Tensor]:
     """MTP layer index -> that layer's copy of the lm_head, as stored."""
     pattern, _ = COPIES[name]
@@ -103,14 +83,15 @@ def _distinct(tensors: dict, name: str, layers=None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def distinct(source, tmp_path_factory):
+def distinct(checkpoint_factory, tmp_path_factory):
     """family -> a copy of its checkpoint whose MTP layers' lm_head copies all differ from
     the lm_head and from each other."""
     made = {}
 
     def get(name: str):
         if name not in made:
-            made[name] = broken.edit_tensors(source(name), tmp_path_factory.mktemp(name) / "d",
+            made[name] = broken.edit_tensors(checkpoint_factory(name),
+                                             tmp_path_factory.mktemp(name) / "d",
                                              lambda t: _distinct(t, name))
         return made[name]
 
@@ -192,21 +173,21 @@ def test_greedy_output_with_mtp_equals_without(name, distinct):
         assert res.metrics.num_drafts > 0
 
 
-def test_copies_equal_to_the_lm_head_allocate_nothing(source, tmp_path):
+def test_copies_equal_to_the_lm_head_allocate_nothing(checkpoint_factory, tmp_path):
     """The release's case, copies equal to the lm_head: no head of their own is kept, the
     model holds as many weights as without the copies; one differing copy keeps one head;
     no copies at all load as the lm_head too."""
-    same = _load(source("step3p7")).model
+    same = _load(checkpoint_factory("step3p7")).model
     assert len(same.mtp.heads) == 0
     assert same.draft_head(2) is same.lm_head
-    one = broken.edit_tensors(source("step3p7"), tmp_path / "one",
+    one = broken.edit_tensors(checkpoint_factory("step3p7"), tmp_path / "one",
                               lambda t: _distinct(t, "step3p7", layers={5}))
     model = _load(one).model
     assert list(model.mtp.heads) == ["1"]
     assert model.draft_head(0) is model.lm_head and model.draft_head(1) is model.mtp.heads["1"]
     torch.testing.assert_close(model.mtp.heads["1"].weight, copies(one, "step3p7")[1],
                                rtol=0, atol=0)
-    none = broken.edit_tensors(source("step3p7"), tmp_path / "none", lambda t: {
+    none = broken.edit_tensors(checkpoint_factory("step3p7"), tmp_path / "none", lambda t: {
         k: v for k, v in t.items() if not re.search(COPIES["step3p7"][0], k)})
     loaded = _load(none)
     assert len(loaded.model.mtp.heads) == 0 and len(loaded.model.mtp.layers) == 3
@@ -250,13 +231,13 @@ def test_graft_keeps_the_copies(name, distinct, tmp_path):
 @pytest.mark.parametrize("which", ["source", "distinct"])
 @pytest.mark.parametrize("lm_head", ["keep", "same"])
 @pytest.mark.parametrize("name", GRAFTED)
-def test_quantize_keeps_the_copies(name, lm_head, which, source, distinct, tmp_path):
+def test_quantize_keeps_the_copies(name, lm_head, which, checkpoint_factory, distinct, tmp_path):
     """``mtpkit quantize``: the copies follow --lm-head as vLLM builds them (ParallelLMHeads):
     kept float and ignored, or quantized with the lm_head, for Step; DeepSeek-style copies
     (vLLM swaps them for the lm_head) stay float. doctor finds nothing wrong for vLLM, and the
     output loads with Step's own heads where they differ (quantized ones as QuantLinear; those
     equal to the lm_head, quantized alike, are dropped) and decodes losslessly."""
-    src = (source if which == "source" else distinct)(name)
+    src = (checkpoint_factory if which == "source" else distinct)(name)
     out = tmp_path / "q"
     if name == "kimi_k25" and lm_head == "same":
         # quantize's --lm-head same looks for lm_head.weight only (quant/quantize.py,
@@ -292,10 +273,10 @@ def test_quantize_keeps_the_copies(name, lm_head, which, source, distinct, tmp_p
 
 
 @pytest.mark.parametrize("which", ["source", "distinct"])
-def test_export_writes_the_copies_back(which, source, distinct):
+def test_export_writes_the_copies_back(which, checkpoint_factory, distinct):
     """A recalibrated head is written back (train/export.py) with its layers' copies: the
     graft it goes through replaces every MTP tensor, and vLLM's Step layers draft with them."""
-    path = (source if which == "source" else distinct)("step3p7")
+    path = (checkpoint_factory if which == "source" else distinct)("step3p7")
     tensors = head_on_disk_names(_load(path).model, open_checkpoint(path))
     pattern = COPIES["step3p7"][0]
     written = {k: v for k, v in tensors.items() if re.search(pattern, k)}
@@ -340,7 +321,7 @@ def test_layer_rule(n):
 
 
 @pytest.mark.parametrize("name", ["step3p7", "mimo_v2_flash", "deepseek_v4"])
-def test_steps_past_the_last_layer_cycle(name, source, distinct, checkpoint_factory):
+def test_steps_past_the_last_layer_cycle(name, distinct, checkpoint_factory):
     """Every multi-layer family (DeepSeek-V4's own MTP module included) runs steps 0, n and
     2n through layer 0, step n + 1 through layer 1, and scores them with that layer's head;
     step n - 1 (the last layer) differs."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import broken
 import pytest
 import torch
-from tiny import VOCAB, write_char_tokenizer, write_deepseek_v4
+from tiny import VOCAB, write_char_tokenizer
 
 from mtpkit.engine.generate import Engine, MTPDrafter, Result
 from mtpkit.engine.loader import load_model
@@ -40,33 +40,13 @@ def _load(path):
 
 
 @pytest.fixture(scope="module")
-def source(checkpoint_factory, tmp_path_factory):
-    """family -> its tiny checkpoint (read-only), every MTP layer distilled."""
-    made = {}
-
-    def get(name: str):
-        if name not in made:
-            if name == "deepseek_v4":
-                out = tmp_path_factory.mktemp(name)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    write_deepseek_v4(out)
-                made[name] = out
-            else:
-                made[name] = checkpoint_factory(name)
-        return made[name]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def engine(source):
+def engine(checkpoint_factory):
     """family -> an Engine over its tiny checkpoint (loaded once)."""
     made = {}
 
     def get(name: str) -> Engine:
         if name not in made:
-            made[name] = Engine(_load(source(name)).model)
+            made[name] = Engine(_load(checkpoint_factory(name)).model)
         return made[name]
 
     return get
@@ -215,12 +195,12 @@ def _layer_tensors(model, i: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", MULTI)
-def test_calibrate_head_trains_every_layer(name, source, tmp_path):
+def test_calibrate_head_trains_every_layer(name, checkpoint_factory, tmp_path):
     """calibrate --init head, default depth: every MTP layer's weights change; the written
     checkpoint keeps its tensor names, shapes and trunk, loads back with every layer, and
     greedy output with MTP (k = 5) equals output without."""
     src = tmp_path / "src"
-    shutil.copytree(source(name), src)
+    shutil.copytree(checkpoint_factory(name), src)
     write_char_tokenizer(src)
     data = tmp_path / "data.txt"
     data.write_text(inspect.getsource(inspect)[:20000])
@@ -254,11 +234,11 @@ def test_calibrate_head_trains_every_layer(name, source, tmp_path):
     assert list(eng.generate(PROMPT, params, K, eos_ids=set())) == plain
 
 
-def test_calibrate_depth_below_layer_count_names_the_untouched_layers(source, tmp_path):
+def test_calibrate_depth_below_layer_count_names_the_untouched_layers(checkpoint_factory, tmp_path):
     """An explicit --draft-depth below the layer count of a loaded head warns, naming the
     layers written back unchanged (they are, bit for bit)."""
     src = tmp_path / "src"
-    shutil.copytree(source("mimo_v2_flash"), src)
+    shutil.copytree(checkpoint_factory("mimo_v2_flash"), src)
     write_char_tokenizer(src)
     data = tmp_path / "data.txt"
     data.write_text(inspect.getsource(inspect)[:8000])
