@@ -8,7 +8,9 @@ layer's GEMMs with its norms, SiLU and residuals in one OpenMP region each), ``a
 step's query rows' attention, each row as its own one-row computation, for the compiled
 path's row-wise steps), ``w8a8_attn_post`` (that attention and ``w8a8_post`` in one region),
 ``w8a8_layer`` (a whole W8A8 layer, rotary and cache writes included, in one region)
-and ``argmax_rows`` (the compiled steps' greedy pick). Where it cannot (no
+and ``argmax_rows`` (the compiled steps' greedy pick). On CPUs with AMX (Intel Sapphire
+Rapids and later) ``int8_a8_mm`` and ``int8_a16_mm`` take several rows on AMX tiles
+(``csrc/amx.h``), with the same bits as the VNNI loop. Where it cannot (no
 compiler, no AVX2, or ``MTPKIT_INT8_KERNEL=library``) it says why once and callers use
 torch's own kernels.
 """
@@ -29,7 +31,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "int8_a8_mm.cpp", _CSRC / "int4_a8_mm.cpp",
             _CSRC / "w8a8_block.cpp", _CSRC / "attend_rows.cpp", _CSRC / "argmax_rows.cpp")
 # Included by the sources above.
-_HEADERS = (_CSRC / "simd.h", _CSRC / "int8_a8.h", _CSRC / "attend.h", _CSRC / "aoti_shim.h",
+_HEADERS = (_CSRC / "simd.h", _CSRC / "int8_a8.h", _CSRC / "amx.h", _CSRC / "attend.h", _CSRC / "aoti_shim.h",
             _CSRC / "team.h")
 _state: dict = {}  # "ok": bool, "why": str, once per process; "lib": the global handle
 

@@ -24,6 +24,7 @@
 // forms of the one-column loops (int8_mm.cpp's header), it is not slower inside the
 // compiled steps. AVX2 (no VNNI): a run as two 256-bit halves
 // against one broadcast, with the sign trick (|w| shared by all rows), the same integer sums.
+// AMX (amx.h): five rows or more as tiles where the CPU has them, the same integer sums.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,6 +39,7 @@
 #include <immintrin.h>
 
 #include "int8_a8.h"
+#include "amx.h"
 #include "simd.h"
 #include "team.h"
 
@@ -76,7 +78,21 @@ template <class After>
 static void a8_team(const int8_t* q, const float* xs, int64_t rows, int64_t K4, const int8_t* w,
                     const float* s, const int32_t* colsum, float* y, int64_t N16,
                     const After& after) {
+#if MTPKIT_AMX
+  // Several rows on AMX tiles where the CPU has them (amx.h: the same bits); q's rows are
+  // then readable up to amx::padded(rows).
+  const bool tiles = rows >= mtpkit_amx::kMinRows && mtpkit_amx::available();
+#else
+  constexpr bool tiles = false;
+#endif
   auto run = [&](int64_t c0, int64_t c1) {
+#if MTPKIT_AMX
+    if (tiles) {
+      mtpkit_amx::a8_tiles(q, xs, rows, K4, w, s, colsum, y, N16, c0, c1);
+      after(c0, c1);
+      return;
+    }
+#endif
     over_rows(rows, [&](auto R, int64_t m) {
       a8_rows<R.value>(q + m * K4, xs + m, K4, w, s, colsum, y + m * N16, N16, c0, c1);
     });
@@ -86,9 +102,25 @@ static void a8_team(const int8_t* q, const float* xs, int64_t rows, int64_t K4, 
   Team crew(nt);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
+#if MTPKIT_AMX
+    if (tiles) mtpkit_amx::configure(K4 / 4 % 16);
+#endif
     Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
     share_blocks(N16 / 16, mtpkit_a8::a8_piece(K4), me, run);
+#if MTPKIT_AMX
+    if (tiles) mtpkit_amx::release();
+#endif
   }
+  (void)tiles;
+}
+
+// Rows of quantized activations a8_team may read (whole AMX tiles where it takes them).
+static int64_t a8_scratch_rows(int64_t rows) {
+#if MTPKIT_AMX
+  return mtpkit_amx::padded(rows);
+#else
+  return rows;
+#endif
 }
 #endif
 
@@ -103,7 +135,7 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
   // these calls, and two tensor allocations each would add up to a visible share of it.
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> xs;
-  q.resize(M * K4);
+  q.resize(a8_scratch_rows(M) * K4);
   xs.resize(M);
   // Rows K4 apart; the padding's bytes meet zero codes, so their values do not matter.
   // VNNI takes q + 128 as unsigned bytes.
@@ -135,7 +167,7 @@ static at::Tensor int8_a16_mm(const at::Tensor& x, const at::Tensor& w, const at
 #if defined(__AVX2__) && defined(__FMA__)
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> xs, r, y2;
-  q.resize(2 * M * K4);
+  q.resize(a8_scratch_rows(2 * M) * K4);
   xs.resize(2 * M);
   r.resize(K);
   y2.resize(2 * M * N16);
