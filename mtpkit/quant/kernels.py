@@ -31,8 +31,8 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "int8_mm.cpp", _CSRC / "int8_a8_mm.cpp", _CSRC / "int4_a8_mm.cpp",
             _CSRC / "w8a8_block.cpp", _CSRC / "attend_rows.cpp", _CSRC / "argmax_rows.cpp")
 # Included by the sources above.
-_HEADERS = (_CSRC / "simd.h", _CSRC / "int8_a8.h", _CSRC / "amx.h", _CSRC / "attend.h", _CSRC / "aoti_shim.h",
-            _CSRC / "team.h")
+_HEADERS = (_CSRC / "simd.h", _CSRC / "int8_a8.h", _CSRC / "amx.h", _CSRC / "attend.h",
+            _CSRC / "aoti_shim.h", _CSRC / "team.h")
 _state: dict = {}  # "ok": bool, "why": str, once per process; "lib": the global handle
 
 
