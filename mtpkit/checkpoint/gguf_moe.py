@@ -188,27 +188,32 @@ def split_kv_b(t: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return k_b.transpose(1, 2).contiguous(), v_b.contiguous()
 
 
-def interleave_rope_rows(t: torch.Tensor, cfg: dict, heads: int) -> torch.Tensor:
+def reorder_rope_rows(t: torch.Tensor, rope: int, heads: int,
+                      to_pairs: bool = True) -> torch.Tensor:
     """Rows of q (``heads`` heads of nope + rope) or kv_a (kv_lora + rope, ``heads`` 0)
-    with each rope part reordered from halves to adjacent pairs; unchanged for checkpoints
-    that store them interleaved already."""
-    if cfg.get("rope_interleave", True):
-        return t
-    rope = int(cfg["qk_rope_head_dim"])
-    half = rope // 2
+    with each head's last ``rope`` rows reordered from halves to adjacent pairs (llama.cpp's
+    order), or back from pairs to halves; a copy."""
+    split_as = (2, rope // 2) if to_pairs else (rope // 2, 2)
 
-    def pairs(rows: torch.Tensor) -> torch.Tensor:  # [..., rope, in]: halves -> pairs
-        lead = rows.shape[:-2]
-        split = rows.reshape(*lead, 2, half, rows.shape[-1])
+    def move(rows: torch.Tensor) -> torch.Tensor:  # [..., rope, in]
+        split = rows.reshape(*rows.shape[:-2], *split_as, rows.shape[-1])
         return split.transpose(-3, -2).reshape(rows.shape)
 
     t = t.clone()
     if heads:
         per_head = t.view(heads, -1, t.shape[-1])
-        per_head[:, -rope:] = pairs(per_head[:, -rope:])
+        per_head[:, -rope:] = move(per_head[:, -rope:])
     else:
-        t[-rope:] = pairs(t[-rope:])
+        t[-rope:] = move(t[-rope:])
     return t
+
+
+def interleave_rope_rows(t: torch.Tensor, cfg: dict, heads: int) -> torch.Tensor:
+    """reorder_rope_rows to pairs, for checkpoints that store the rope rows as halves
+    (unchanged where they are interleaved already)."""
+    if cfg.get("rope_interleave", True):
+        return t
+    return reorder_rope_rows(t, int(cfg["qk_rope_head_dim"]), heads)
 
 
 # GLM's chat turns end at <|user|> or <|observation|>, not at its eos: llama.cpp's converter

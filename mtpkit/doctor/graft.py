@@ -574,26 +574,15 @@ def _trunk_shared(lay: HFLayout, model) -> dict:
 def _rope_rows_to_halves(key: str, t, cfg: dict):
     """A GGUF MLA head's rope rows (adjacent pairs, as llama.cpp stores them) back to the
     half-split order of a destination whose config says rope_interleave false."""
+    from ..checkpoint.gguf_moe import reorder_rope_rows
+
     if key.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
         heads = int(cfg["num_attention_heads"])
     elif key.endswith("self_attn.kv_a_proj_with_mqa.weight"):
         heads = 0
     else:
         return t
-    rope = int(cfg["qk_rope_head_dim"])
-    t = t.clone()
-
-    def halves(rows):  # [..., rope, in]: adjacent pairs -> halves
-        lead = rows.shape[:-2]
-        split = rows.reshape(*lead, rope // 2, 2, rows.shape[-1])
-        return split.transpose(-3, -2).reshape(rows.shape)
-
-    if heads:
-        per_head = t.view(heads, -1, t.shape[-1])
-        per_head[:, -rope:] = halves(per_head[:, -rope:])
-    else:
-        t[-rope:] = halves(t[-rope:])
-    return t
+    return reorder_rope_rows(t, int(cfg["qk_rope_head_dim"]), heads, to_pairs=False)
 
 
 def _check_head_shapes(head: dict, lay: HFLayout) -> None:
