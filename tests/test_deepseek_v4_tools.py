@@ -85,13 +85,9 @@ def _release_names(tensors: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def release(tmp_path_factory):
+def release(tmp_path_factory, dsv4_float):
     """(release folder, float folder of its reference dequantization, the float originals)."""
-    src = tmp_path_factory.mktemp("dsv4_float_src")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # 32 expert inputs: the FP4 group, as every released expert's width is a multiple of.
-        write_deepseek_v4(src, steps=5, over={"moe_intermediate_size": 32})
+    src = dsv4_float
     original = _release_names(load_file(src / "model.safetensors"))
     original.update(load_file(src / "model_mtp.safetensors"))
     quant, deq = {}, {}
@@ -123,7 +119,6 @@ def _load(path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return load_model(path, tokenizer=False)
-
 
 
 def _assert_lossless(model, seed: int) -> None:
@@ -279,10 +274,12 @@ _DOCTOR_BAD = {"mtp-missing", "mtp-unquantized-not-ignored", "unquantized-not-ig
 
 @pytest.fixture(scope="module")
 def dsv4_float(tmp_path_factory):
-    """A float DeepSeek-V4 as save_pretrained writes it, its MTP layers in model_mtp."""
+    """A float DeepSeek-V4 as save_pretrained writes it, its MTP layers in model_mtp (read
+    only: the release fixture quantizes it into folders of its own)."""
     src = tmp_path_factory.mktemp("dsv4_float")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # 32 expert inputs: the FP4 group, as every released expert's width is a multiple of.
         write_deepseek_v4(src, steps=5, over={"moe_intermediate_size": 32})
     return src
 
