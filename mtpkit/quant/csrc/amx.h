@@ -22,7 +22,6 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstring>
 
 #include "simd.h"
 
@@ -79,6 +78,28 @@ __attribute__((target("amx-tile"))) inline void release() { _tile_release(); }
 // Rows padded to what a8_tiles reads: whole tiles of 16.
 inline int64_t padded(int64_t rows) { return (rows + 15) / 16 * 16; }
 
+// One chunk: 64 activations of 16 rows (tile A, rows K4 apart from qa) times the matching
+// runs of up to nb column blocks (tile B, from wc, blocks 16 * K4 bytes apart), into tiles
+// 0-3. A macro because tile numbers are immediates (the intrinsics are asm templates).
+#define MTPKIT_AMX_CHUNK(A, B, qa, wc)        \
+  do {                                        \
+    _tile_loadd(A, (qa), K4);                 \
+    _tile_loadd(B, (wc), 64);                 \
+    _tile_dpbusd(0, A, B);                    \
+    if (nb > 1) {                             \
+      _tile_loadd(B, (wc) + 16 * K4, 64);     \
+      _tile_dpbusd(1, A, B);                  \
+    }                                         \
+    if (nb > 2) {                             \
+      _tile_loadd(B, (wc) + 32 * K4, 64);     \
+      _tile_dpbusd(2, A, B);                  \
+    }                                         \
+    if (nb > 3) {                             \
+      _tile_loadd(B, (wc) + 48 * K4, 64);     \
+      _tile_dpbusd(3, A, B);                  \
+    }                                         \
+  } while (0)
+
 // Rows [0, M) of q (padded with readable rows to a multiple of 16; q + 128 as unsigned
 // bytes) against column blocks [b0, b1) of 16, y[m, 16b + c] as a8_rows writes it. Each
 // thread configures its tiles (configure(K4 / 4 % 16)) before the first call.
@@ -98,47 +119,15 @@ a8_tiles(const int8_t* q, const float* xs, int64_t M, int64_t K4, const int8_t* 
       _tile_zero(3);
       const int8_t* wb = w + b * 16 * K4;
       for (int64_t c = 0; c < full; c++) {
-        _tile_loadd(4, qm + 64 * c, K4);
         const int8_t* wc = wb + 1024 * c;
         // The codes ahead, as the VNNI loop prefetches them (simd.h): at a few rows the
         // tiles wait on memory, and the hardware prefetcher alone leaves a thread short.
         if (m0 == 0)
           for (int64_t j = 0; j < nb; j++)
             for (int l = 0; l < 16; l++) mtpkit_simd::prefetch(wc + 16 * K4 * j + 64 * l);
-        // Tile numbers are immediates: each block its own statement.
-        _tile_loadd(5, wc, 64);
-        _tile_dpbusd(0, 4, 5);
-        if (nb > 1) {
-          _tile_loadd(5, wc + 16 * K4, 64);
-          _tile_dpbusd(1, 4, 5);
-        }
-        if (nb > 2) {
-          _tile_loadd(5, wc + 32 * K4, 64);
-          _tile_dpbusd(2, 4, 5);
-        }
-        if (nb > 3) {
-          _tile_loadd(5, wc + 48 * K4, 64);
-          _tile_dpbusd(3, 4, 5);
-        }
+        MTPKIT_AMX_CHUNK(4, 5, qm + 64 * c, wc);
       }
-      if (rem) {
-        _tile_loadd(6, qm + 64 * full, K4);
-        const int8_t* wc = wb + 1024 * full;
-        _tile_loadd(7, wc, 64);
-        _tile_dpbusd(0, 6, 7);
-        if (nb > 1) {
-          _tile_loadd(7, wc + 16 * K4, 64);
-          _tile_dpbusd(1, 6, 7);
-        }
-        if (nb > 2) {
-          _tile_loadd(7, wc + 32 * K4, 64);
-          _tile_dpbusd(2, 6, 7);
-        }
-        if (nb > 3) {
-          _tile_loadd(7, wc + 48 * K4, 64);
-          _tile_dpbusd(3, 6, 7);
-        }
-      }
+      if (rem) MTPKIT_AMX_CHUNK(6, 7, qm + 64 * full, wb + 1024 * full);
       _tile_stored(0, acc[0], 64);
       if (nb > 1) _tile_stored(1, acc[1], 64);
       if (nb > 2) _tile_stored(2, acc[2], 64);
@@ -158,6 +147,8 @@ a8_tiles(const int8_t* q, const float* xs, int64_t M, int64_t K4, const int8_t* 
     }
   }
 }
+
+#undef MTPKIT_AMX_CHUNK
 
 }  // namespace mtpkit_amx
 #else
