@@ -251,7 +251,10 @@ def _calibrate_args(sub) -> None:
                    help="cache the frozen trunk's outputs for --tokens tokens in DIR (built "
                         "once, reused), then train --epochs passes at head cost only")
     p.add_argument("--epochs", type=float, default=1.0,
-                   help="passes over the feature cache (with --features)")
+                   help="passes over the data (the feature cache, or the files without one)")
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="stop training after this long and write the head (the learning "
+                        "rate decays over the time left; 0: no limit)")
     p.add_argument("--teacher-top-k", type=int, default=32,
                    help="trunk probabilities kept per position in the feature cache")
     p.add_argument("--head-type", choices=["mtp", "eagle3"], default="mtp",
@@ -286,8 +289,8 @@ def _cmd_calibrate(a) -> int:
             device=a.device, seq_len=a.seq_len, batch_size=a.batch_size, lr=a.lr,
             heldout_fraction=a.heldout_fraction, checkpoint_every=a.checkpoint_every,
             resume=a.resume, draft_vocab=a.draft_vocab, features=a.features,
-            epochs=a.epochs, top_k=a.teacher_top_k, head_type=a.head_type,
-            aux_layers=a.aux_layers,
+            epochs=a.epochs, minutes=a.minutes, top_k=a.teacher_top_k,
+            head_type=a.head_type, aux_layers=a.aux_layers,
         )
         run(cfg, progress="bar" if sys.stderr.isatty() else "lines")
         if distributed:

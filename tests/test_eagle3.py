@@ -365,6 +365,21 @@ def test_calibrate_trains_and_saves_an_eagle3_head(trunk, tmp_path):
         run(bad, progress="off")
 
 
+def test_draft_vocabulary_is_set_on_the_heads_own_device(trunk):
+    """set_vocab builds d2t where the head lives (calibrate on CUDA builds the head there;
+    the CPU-made ids met a CUDA d2t): on the meta device nothing may touch the CPU."""
+    from mtpkit.models.eagle3 import Eagle3Head
+
+    cfg = _quiet_load(trunk[0]).model.config
+    vocab = [7, 3, 300, 11]
+    on_cpu = Eagle3Head(cfg, [2, 4, 5], len(vocab))
+    on_cpu.set_vocab(vocab)
+    assert on_cpu.target_ids().tolist() == sorted(vocab)
+    on_meta = Eagle3Head(cfg, [2, 4, 5], len(vocab)).to("meta")
+    on_meta.set_vocab(vocab)
+    assert on_meta.d2t.device.type == "meta"
+
+
 # -- llama.cpp --------------------------------------------------------------------------------
 def _convert_head(export: Path, trunk_dir: Path, out: Path) -> Path:
     return _run_converter(export, out, args=("--target-model-dir", str(trunk_dir)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import subprocess
 import sys
@@ -116,6 +117,64 @@ def test_resume_continues_exactly(setup):
     run(_cfg(root, trunk, data, "resumed", steps=12, resume=True, checkpoint_every=3),
         progress="off")
     _assert_same_head(root / "straight", root / "resumed", steps=12)
+
+
+@pytest.fixture(scope="module")
+def small_data(setup):
+    """One short file: a pass over it is a few steps."""
+    root, trunk, _ = setup
+    d = root / "small"
+    d.mkdir()
+    (d / "text.py").write_text(inspect.getsource(inspect.getmodule(json.dumps))[:6000])
+    tok = _quiet_load(trunk).tokenizer
+    from mtpkit.train.data import iter_chunks
+
+    chunks = sum(1 for _ in iter_chunks(tok, [str(d / "text.py")], 64))
+    return d, chunks
+
+
+@pytest.mark.parametrize("epochs", [1, 1.5, 2])
+def test_online_epochs_read_the_files_again(setup, small_data, epochs):
+    """Without a feature cache, --epochs passes over the files: training runs until that
+    many passes' chunks are used (the last pass cut to its share), not one pass's."""
+    root, trunk, _ = setup
+    data, chunks = small_data
+    out = f"ep{epochs}"
+    run(_cfg(root, trunk, data, out, steps=None, epochs=epochs, heldout_fraction=0.0),
+        progress="off")
+    cal = json.loads((root / out / "head_config.json").read_text())["calibration"]
+    whole = int(epochs)
+    used = chunks * whole + math.ceil(chunks * (epochs - whole))
+    assert cal["steps_done"] == used // 4
+
+
+def test_resume_continues_exactly_in_a_later_pass(setup, small_data):
+    """A run stopped in its second pass over the files and resumed ends where one
+    uninterrupted run does."""
+    root, trunk, _ = setup
+    data, chunks = small_data
+    steps = 2 * chunks // 4
+    stop = chunks // 4 + 2  # inside the second pass
+    kw = dict(steps=steps, epochs=2, heldout_fraction=0.0)
+    run(_cfg(root, trunk, data, "ep-straight", **kw), progress="off")
+    run(_cfg(root, trunk, data, "ep-resumed", tokens=stop * 4 * 64, checkpoint_every=1, **kw),
+        progress="off")
+    run(_cfg(root, trunk, data, "ep-resumed", resume=True, checkpoint_every=1, **kw),
+        progress="off")
+    _assert_same_head(root / "ep-straight", root / "ep-resumed", steps=steps)
+
+
+def test_minutes_stop_training_and_write_the_head(setup, small_data):
+    """--minutes ends training when its time is up (here: after the first step) and the head
+    learned so far is written."""
+    root, trunk, _ = setup
+    data, _ = small_data
+    run(_cfg(root, trunk, data, "timed", steps=None, epochs=5, minutes=1e-9,
+             heldout_fraction=0.0), progress="off")
+    cal = json.loads((root / "timed" / "head_config.json").read_text())["calibration"]
+    assert cal["steps_done"] == 1 and cal["minutes"] == 1e-9
+    with pytest.raises(ValueError, match="--minutes"):
+        run(_cfg(root, trunk, data, "timed2", minutes=-1), progress="off")
 
 
 def test_eval_cli_teacher_and_generate(setup, trained, capsys):

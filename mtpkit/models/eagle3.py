@@ -120,12 +120,14 @@ class Eagle3Head(nn.Module):
 
     def set_vocab(self, token_ids) -> None:
         """Draft rows for these target ids (kept in increasing order)."""
-        ids = torch.tensor(sorted(int(t) for t in token_ids), dtype=torch.long)
-        if ids.numel() != self.d2t.numel() or len(set(ids.tolist())) != ids.numel():
+        ids = sorted(int(t) for t in token_ids)
+        if len(ids) != self.d2t.numel() or len(set(ids)) != len(ids):
             raise ValueError(f"the draft vocabulary needs {self.d2t.numel()} distinct token "
-                             f"ids, got {ids.numel()}")
+                             f"ids, got {len(ids)}")
+        # Built where d2t lives: a head made on the GPU gets its ids there.
+        t = torch.tensor(ids, dtype=torch.long, device=self.d2t.device)
         with torch.no_grad():
-            self.d2t.copy_(ids.to(self.d2t.device) - torch.arange(ids.numel()).to(ids))
+            self.d2t.copy_(t - torch.arange(len(ids), device=t.device))
 
     def forward(self, emb, hidden, step, cos, sin, cache: KVCache | None, start: int = 0):
         """emb [B, T, D]; hidden: trunk states [B, T, 3D] at step 0, else the head's own

@@ -13,6 +13,7 @@ data-parallel under torchrun (gloo on CPU, NCCL on GPU).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import sys
@@ -58,13 +59,21 @@ class CalibrateConfig:
     # A folder caching the frozen trunk's outputs (train/features.py): the trunk runs once
     # over --tokens tokens, then the head trains --epochs passes at head cost only.
     features: str | None = None
+    # Passes over the data: over the feature cache, or (without one) over the files, the
+    # trunk running again on every pass.
     epochs: float = 1.0
+    # Stop after this much training time, writing what was learned; the learning rate then
+    # decays over whichever of the steps and the minutes runs out first (0: no limit).
+    minutes: float = 0.0
     top_k: int = 32  # teacher entries kept per position in the cache
     split: dict = field(default_factory=dict)
     # "mtp" (fc over [embedding, final state], the trunk's lm_head) or "eagle3" (fc over three
     # trunk states, its own lm_head over the draft vocabulary: train/eagle3.py)
     head_type: str = "mtp"
     aux_layers: list[int] | None = None  # an EAGLE-3 head's trunk layer ids (None: vLLM's)
+
+
+UNBOUNDED = 10**12  # total steps of a run that only --minutes (or the data) ends
 
 
 def _rank_world() -> tuple[int, int]:
@@ -195,6 +204,11 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
     """Train and write the head; returns it. ``progress``: "bar", "lines" or "off"."""
     check_config(cfg)
     rank, world = _rank_world()
+    if str(cfg.device).startswith("cuda"):
+        # TF32 GEMMs: several times the fp32 rate, and a head trained against a teacher
+        # rounded to 10 mantissa bits drafts the same; inference keeps full fp32.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     files = list_files(cfg.data)
@@ -246,10 +260,15 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
         step, tokens_done, skip = _load_state(state_dir, head, opt)
     total_steps = cfg.steps or max(1, (cfg.tokens or 10**6) // (cfg.seq_len * cfg.batch_size
                                                               * world))
+    if cfg.minutes and not (cfg.steps or cfg.tokens):
+        total_steps = UNBOUNDED  # the clock (or the data) ends the run
 
     def lr_at(s: int) -> float:
         warm = min(1.0, (s + 1) / max(cfg.warmup_steps, 1))
-        return cfg.lr * warm * max(0.1, 1 - s / total_steps)
+        done = s / total_steps
+        if cfg.minutes:
+            done = max(done, (time.perf_counter() - t0) / (60 * cfg.minutes))
+        return cfg.lr * warm * max(0.1, 1 - done)
 
     if cfg.features:
         source = _CachedSource(cfg, model, tok, train_files, rank, world, step)
@@ -282,6 +301,8 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
         if rank == 0 and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             _save_state(state_dir, head, opt, step, tokens_done, source.skip)
         if cfg.tokens and tokens_done >= cfg.tokens and not cfg.features:
+            break
+        if cfg.minutes and time.perf_counter() - t0 >= 60 * cfg.minutes:
             break
     if bar:
         bar.close()
@@ -367,6 +388,7 @@ def check_config(cfg: CalibrateConfig) -> None:
          f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}"),
         (cfg.draft_vocab >= 0, f"--draft-vocab must be >= 0, got {cfg.draft_vocab}"),
         (cfg.epochs > 0, f"--epochs must be > 0, got {cfg.epochs}"),
+        (cfg.minutes >= 0, f"--minutes must be >= 0, got {cfg.minutes}"),
         (cfg.top_k >= 1, f"--teacher-top-k must be >= 1, got {cfg.top_k}"),
         (cfg.head_type in ("mtp", "eagle3"),
          f"--head-type must be mtp or eagle3, got {cfg.head_type!r}"),
@@ -408,7 +430,7 @@ class _OnlineSource:
 
     def __init__(self, cfg, model, tok, files, rank, world, skip) -> None:
         self.cfg, self.model, self.rank, self.world, self.skip = cfg, model, rank, world, skip
-        self.chunks = iter_chunks(tok, files, cfg.seq_len, skip=skip)
+        self.chunks = self._passes(tok, files, skip)
         self.counts = torch.zeros(model.config.vocab_size, dtype=torch.long)
         self.batches = self._batches()
 
@@ -428,6 +450,22 @@ class _OnlineSource:
             ids = torch.tensor(batch, device=cfg.device)
             self.counts += torch.bincount(ids.flatten().cpu(), minlength=self.counts.numel())
             yield {"ids": ids}
+
+    def _passes(self, tok, files, skip):
+        """--epochs passes over the files' chunks, in the same order each time; ``skip``
+        counts chunks over all passes (a resumed run's)."""
+        epochs = self.cfg.epochs
+        per_pass = n = 0
+        for p in range(math.ceil(epochs)):
+            # A fractional last pass stops once it has its share of the first pass's chunks.
+            limit = per_pass * (epochs - p) if p + 1 > epochs else None
+            for i, c in enumerate(iter_chunks(tok, files, self.cfg.seq_len)):
+                if limit is not None and i >= limit:
+                    break
+                per_pass = max(per_pass, i + 1) if p == 0 else per_pass
+                n += 1
+                if n > skip:
+                    yield c
 
     def loss(self, batch, head):
         return distill_loss(self.model, batch["ids"], self.cfg.draft_depth, head)
@@ -531,11 +569,13 @@ class _Bar:
     def __init__(self, total: int, done: int) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.p = Progress(TextColumn("calibrate"), BarColumn(), TextColumn("{task.completed}/"
-                          "{task.total}"), TextColumn("{task.fields[info]}"),
-                          TimeRemainingColumn())
+        bounded = total < UNBOUNDED
+        count = "{task.completed}/{task.total}" if bounded else "step {task.completed}"
+        self.p = Progress(TextColumn("calibrate"), BarColumn(), TextColumn(count),
+                          TextColumn("{task.fields[info]}"), TimeRemainingColumn())
         self.p.start()
-        self.task = self.p.add_task("", total=total, completed=done, info="")
+        self.task = self.p.add_task("", total=total if bounded else None, completed=done,
+                                    info="")
 
     def update(self, step, loss, acc, tokens) -> None:
         self.p.update(self.task, completed=step,
@@ -553,7 +593,8 @@ class _Lines:
 
     def update(self, step, loss, acc, tokens) -> None:
         if step % self.every == 0 or step == self.total:
-            print(f"step {step}/{self.total} loss {loss:.3f} top-1 {100 * acc:.1f}% "
+            of = f"/{self.total}" if self.total < UNBOUNDED else ""
+            print(f"step {step}{of} loss {loss:.3f} top-1 {100 * acc:.1f}% "
                   f"tokens {tokens}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
