@@ -133,7 +133,7 @@ def small_data(setup):
     return d, chunks
 
 
-@pytest.mark.parametrize("epochs", [1, 1.5, 2])
+@pytest.mark.parametrize("epochs", [0.5, 1, 1.5, 2])
 def test_online_epochs_read_the_files_again(setup, small_data, epochs):
     """Without a feature cache, --epochs passes over the files: training runs until that
     many passes' chunks are used (the last pass cut to its share), not one pass's."""

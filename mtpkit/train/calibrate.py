@@ -456,8 +456,10 @@ class _OnlineSource:
         counts chunks over all passes (a resumed run's)."""
         epochs = self.cfg.epochs
         per_pass = n = 0
+        if epochs < 1:  # the share of a pass needs the pass's length first
+            per_pass = sum(1 for _ in iter_chunks(tok, files, self.cfg.seq_len))
         for p in range(math.ceil(epochs)):
-            # A fractional last pass stops once it has its share of the first pass's chunks.
+            # A fractional last pass stops once it has its share of a whole pass's chunks.
             limit = per_pass * (epochs - p) if p + 1 > epochs else None
             for i, c in enumerate(iter_chunks(tok, files, self.cfg.seq_len)):
                 if limit is not None and i >= limit:
