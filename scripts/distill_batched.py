@@ -54,10 +54,10 @@ def raw_prefixes(n: int, seed: int) -> list[str]:
 
 def items(a) -> list[dict]:
     """Every prompt of the run: kind, text, whether sampled, and its sampling copy."""
-    out = [{"kind": "chat", "prompt": p, "sampled": False} for p in prompts(a.chat, a.seed)]
+    chat = prompts(a.chat, a.seed)
+    out = [{"kind": "chat", "prompt": p, "sampled": False} for p in chat]
     for c in range(a.sampled_copies):
-        out += [{"kind": "chat", "prompt": p, "sampled": True, "copy": c}
-                for p in prompts(a.chat, a.seed)]
+        out += [{"kind": "chat", "prompt": p, "sampled": True, "copy": c} for p in chat]
     out += [{"kind": "code", "prompt": p, "sampled": False}
             for p in code_prompts(a.code, a.seed)]
     raw = raw_prefixes(a.raw, a.seed)

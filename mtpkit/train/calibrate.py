@@ -455,19 +455,18 @@ class _OnlineSource:
         """--epochs passes over the files' chunks, in the same order each time; ``skip``
         counts chunks over all passes (a resumed run's)."""
         epochs = self.cfg.epochs
-        per_pass = n = 0
-        if epochs < 1:  # the share of a pass needs the pass's length first
-            per_pass = sum(1 for _ in iter_chunks(tok, files, self.cfg.seq_len))
+        per_pass = n = 0  # chunks in a whole pass (known after the first), chunks so far
         for p in range(math.ceil(epochs)):
-            # A fractional last pass stops once it has its share of a whole pass's chunks.
-            limit = per_pass * (epochs - p) if p + 1 > epochs else None
+            share = epochs - p  # below 1 only on a fractional last pass
+            if share < 1 and not per_pass:  # a fractional first pass: its length first
+                per_pass = sum(1 for _ in iter_chunks(tok, files, self.cfg.seq_len))
             for i, c in enumerate(iter_chunks(tok, files, self.cfg.seq_len)):
-                if limit is not None and i >= limit:
+                if share < 1 and i >= per_pass * share:
                     break
-                per_pass = max(per_pass, i + 1) if p == 0 else per_pass
                 n += 1
                 if n > skip:
                     yield c
+            per_pass = per_pass or n
 
     def loss(self, batch, head):
         return distill_loss(self.model, batch["ids"], self.cfg.draft_depth, head)

@@ -76,22 +76,17 @@ def iter_texts(files: list[str], text_field: str = "text") -> Iterator[str]:
             yield p.read_text(encoding="utf-8", errors="replace")
 
 
-def iter_chunks(
-    tokenizer, files: list[str], seq_len: int, skip: int = 0
-) -> Iterator[list[int]]:
-    """Token chunks of ``seq_len`` packed across file boundaries; ``skip`` resumes mid-stream.
+def iter_chunks(tokenizer, files: list[str], seq_len: int) -> Iterator[list[int]]:
+    """Token chunks of ``seq_len`` packed across file boundaries.
 
     Files are read one at a time, so memory stays bounded whatever the corpus size.
     """
     buf: list[int] = []
     eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
-    n = 0
     for text in iter_texts(files):
         buf += tokenizer.encode(text, add_special_tokens=False)
         if eos is not None:
             buf.append(eos)
         while len(buf) >= seq_len:
             chunk, buf = buf[:seq_len], buf[seq_len:]
-            if n >= skip:
-                yield chunk
-            n += 1
+            yield chunk
