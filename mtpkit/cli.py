@@ -245,8 +245,9 @@ def _calibrate_args(sub) -> None:
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between saves")
     p.add_argument("--resume", action="store_true", help="continue from the last save")
     p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="record the N most frequent training tokens as the draft vocabulary "
-                        "(0: draft over the whole vocabulary)")
+                   help="draft from the N most frequent training tokens, the loss scoring "
+                        "only those (0: the whole vocabulary, scored whole; a head written "
+                        "back into its checkpoint is always scored whole)")
     p.add_argument("--features", metavar="DIR",
                    help="cache the frozen trunk's outputs for --tokens tokens in DIR (built "
                         "once, reused), then train --epochs passes at head cost only")
@@ -256,7 +257,8 @@ def _calibrate_args(sub) -> None:
                    help="stop training after this long and write the head (the learning "
                         "rate decays over the time left; 0: no limit)")
     p.add_argument("--teacher-top-k", type=int, default=32,
-                   help="trunk probabilities kept per position in the feature cache")
+                   help="trunk probabilities the loss keeps per position (over the draft "
+                        "vocabulary)")
     p.add_argument("--head-type", choices=["mtp", "eagle3"], default="mtp",
                    help="mtp: fc over [embedding, final state], the trunk's lm_head; eagle3: "
                         "fc over three trunk states, its own lm_head over --draft-vocab tokens "

@@ -122,20 +122,31 @@ def open_matching(root: str | os.PathLike, key: str) -> FeatureCache | None:
 
 
 @torch.no_grad()
-def teacher_features(model, ids: torch.Tensor, vocab: torch.Tensor, top_k: int,
-                     trunk_hidden: str) -> dict[str, torch.Tensor]:
-    """The trunk's outputs for token ids [B, T] in the cache's layout."""
+def teacher_targets(model, ids: torch.Tensor, vocab: torch.Tensor, top_k: int,
+                    trunk_hidden: str) -> dict[str, torch.Tensor]:
+    """What cached_loss reads of the trunk for token ids [B, T], on the trunk's device: the
+    state the head reads [B, T, D], the greedy token over the whole vocabulary [B, T], and
+    the top_k entries of the trunk's log-distribution renormalised on the draft vocabulary
+    (indices into ``vocab`` and their log-probabilities, best first) [B, T, top_k]."""
     out = model(ids)
     logits = model.logits(out.hidden)  # [B, T, V]
-    dv = torch.log_softmax(logits.index_select(-1, vocab.to(logits.device)), -1)
+    dv = torch.log_softmax(logits.index_select(-1, vocab.to(logits.device)).float(), -1)
     top_logp, top_idx = dv.topk(min(top_k, dv.shape[-1]), dim=-1)  # sorted, best first
+    return {"ids": ids, "hidden": out.for_mtp(trunk_hidden), "argmax": logits.argmax(-1),
+            "top_idx": top_idx, "top_logp": top_logp}
+
+
+def teacher_features(model, ids: torch.Tensor, vocab: torch.Tensor, top_k: int,
+                     trunk_hidden: str) -> dict[str, torch.Tensor]:
+    """teacher_targets in the cache's layout (CPU, 16-bit states and log-probabilities)."""
+    t = teacher_targets(model, ids, vocab, top_k, trunk_hidden)
     idx_dtype = torch.int16 if vocab.numel() <= 32767 else torch.int32
     return {
-        "ids": ids.to(torch.int32).cpu(),
-        "hidden": out.for_mtp(trunk_hidden).half().cpu(),
-        "argmax": logits.argmax(-1).to(torch.int32).cpu(),
-        "top_idx": top_idx.to(idx_dtype).cpu(),
-        "top_logp": top_logp.half().cpu(),
+        "ids": t["ids"].to(torch.int32).cpu(),
+        "hidden": t["hidden"].half().cpu(),
+        "argmax": t["argmax"].to(torch.int32).cpu(),
+        "top_idx": t["top_idx"].to(idx_dtype).cpu(),
+        "top_logp": t["top_logp"].half().cpu(),
     }
 
 
