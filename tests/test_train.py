@@ -403,7 +403,8 @@ def test_feature_cache_loss_equals_online_loss(setup, trained):
                        vocab=vocab, top_k=len(vocab), key="other")
 
 
-def test_online_loss_scores_the_draft_vocabulary_as_a_cache_would(setup, trained):
+def test_online_loss_scores_the_draft_vocabulary_as_a_cache_would(setup, trained,
+                                                                   monkeypatch):
     """Online training of a head that drafts from a draft vocabulary scores what a
     feature cache of the same chunks gives (the draft vocabulary, the teacher's top-k),
     not the whole vocabulary; a head drafting from the whole vocabulary keeps that loss."""
@@ -429,6 +430,20 @@ def test_online_loss_scores_the_draft_vocabulary_as_a_cache_would(setup, trained
         assert float(whole.loss(batch, model.mtp)[0]) == float(full[0])
         assert abs(float(got[0]) - float(full[0])) > 0.05 * float(full[0])
     assert own.draft_vocab() == vocab
+    # calibrate itself takes that loss for a head of its own with a draft vocabulary.
+    from mtpkit.train import calibrate
+
+    sources = []
+
+    class Seen(calibrate._OnlineSource):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            sources.append(self)
+
+    monkeypatch.setattr(calibrate, "_OnlineSource", Seen)
+    run(_cfg(root, trunk, data, "scored", steps=1), progress="off")
+    assert len(sources) == 1 and sources[0].scored is not None
+    assert sources[0].scored.tolist() == sources[0].vocab
 
 
 @pytest.mark.parametrize("amx", [False, True])

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from ..engine.loader import load_model
 from ..models.eagle3 import is_eagle3
 from .data import iter_chunks, list_files, split_files
-from .heads import save_head, top_tokens
+from .heads import save_head
 
 
 @dataclass
@@ -276,19 +276,19 @@ def run(cfg: CalibrateConfig, progress: str = "lines") -> torch.nn.Module:
         total_steps = cfg.steps or source.steps
     else:
         vocab = None
-        if cfg.draft_vocab:
+        if cfg.draft_vocab and not is_eagle3(head):  # an EAGLE-3 head's is its d2t
             # Counted before training (over the chunks the run reads, one pass at most), so
             # the loss can score the draft vocabulary only, and a resumed run drafts the
             # same tokens as an uninterrupted one.
-            from .features import count_tokens
+            from .features import frequent_tokens
 
             planned = total_steps * cfg.batch_size * world * cfg.seq_len
-            vocab = top_tokens(count_tokens(tok, train_files, cfg.seq_len, planned,
-                                            model.config.vocab_size), cfg.draft_vocab)
+            vocab = frequent_tokens(tok, train_files, cfg.seq_len, planned,
+                                    model.config.vocab_size, cfg.draft_vocab)
         # A head written into its checkpoint (native) is drafted from the whole vocabulary
         # by every engine that loads the checkpoint, and an EAGLE-3 head has a loss of its
         # own: both keep the whole-vocabulary loss.
-        own = vocab is not None and not native and not is_eagle3(head)
+        own = vocab is not None and not native
         source = _OnlineSource(cfg, model, tok, train_files, rank, world, skip, vocab, own)
     autocast = _autocast(cfg.device)
     if rank == 0 and progress != "off" and autocast is not _FP32:
@@ -381,9 +381,8 @@ def _new_eagle3_head(cfg: CalibrateConfig, model, tok, files) -> None:
     from . import eagle3, features
 
     n = cfg.draft_vocab or model.config.vocab_size
-    counts = features.count_tokens(tok, files, cfg.seq_len, cfg.tokens or 10**6,
-                                   model.config.vocab_size)
-    vocab = top_tokens(counts, n)
+    vocab = features.frequent_tokens(tok, files, cfg.seq_len, cfg.tokens or 10**6,
+                                     model.config.vocab_size, n)
     if len(vocab) < n:  # fill with unseen ids so the head has the rows asked for
         seen = set(vocab)
         vocab += [t for t in range(model.config.vocab_size) if t not in seen][: n - len(vocab)]
@@ -502,9 +501,8 @@ class _OnlineSource:
             return distill_loss(self.model, batch["ids"], self.cfg.draft_depth, head)
         from .features import cached_loss, teacher_targets
 
-        with torch.no_grad():
-            targets = teacher_targets(self.model, batch["ids"], self.scored, self.cfg.top_k,
-                                      self.model.mtp.spec.trunk_hidden)
+        targets = teacher_targets(self.model, batch["ids"], self.scored, self.cfg.top_k,
+                                  self.model.mtp.spec.trunk_hidden)  # without gradients
         return cached_loss(self.model, targets, self.cfg.draft_depth, self.scored, head)
 
     def draft_vocab(self) -> list[int]:
@@ -525,9 +523,8 @@ class _CachedSource:
         self.cache = features.open_matching(cfg.features, key)
         if self.cache is None:
             if cfg.draft_vocab:
-                counts = features.count_tokens(tok, files, cfg.seq_len, tokens,
-                                               model.config.vocab_size)
-                vocab = top_tokens(counts, cfg.draft_vocab)
+                vocab = features.frequent_tokens(tok, files, cfg.seq_len, tokens,
+                                                 model.config.vocab_size, cfg.draft_vocab)
             else:
                 vocab = list(range(model.config.vocab_size))
             say = (lambda s, n: print(f"features: shard {s}/{n}", file=sys.stderr,

@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .data import DataError, iter_chunks
+from .heads import top_tokens
 
 SHARD_SEQS = 64  # sequences per shard file (64 x 256 tokens x 576 dims x fp16: 19 MB)
 META = "meta.json"
@@ -225,6 +226,13 @@ def count_tokens(tokenizer, files: list[str], seq_len: int, tokens: int,
             break
         counts += torch.bincount(torch.tensor(c), minlength=vocab_size)
     return counts
+
+
+def frequent_tokens(tokenizer, files: list[str], seq_len: int, tokens: int, vocab_size: int,
+                    n: int) -> list[int]:
+    """The ``n`` most frequent token ids (those seen) over the chunks of the first ``tokens``
+    tokens of ``files``, most frequent first: a draft vocabulary."""
+    return top_tokens(count_tokens(tokenizer, files, seq_len, tokens, vocab_size), n)
 
 
 def cached_loss(model, batch: dict[str, torch.Tensor], depth: int, vocab: torch.Tensor,
