@@ -313,6 +313,21 @@ def test_draft_vocab_subset_is_lossless(setup, trained):
     assert drafts and set(drafts) <= set(subset)
 
 
+def _online_sources(monkeypatch) -> list:
+    """The online data sources calibrate creates from now on, as it creates them."""
+    from mtpkit.train import calibrate
+
+    sources = []
+
+    class Seen(calibrate._OnlineSource):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            sources.append(self)
+
+    monkeypatch.setattr(calibrate, "_OnlineSource", Seen)
+    return sources
+
+
 @pytest.mark.parametrize("quantize", [None, "w4a16"])
 def test_recalibrating_a_native_head_keeps_the_checkpoint_layout(checkpoint_factory, tmp_path,
                                                                 quantize, monkeypatch):
@@ -336,16 +351,7 @@ def test_recalibrating_a_native_head_keeps_the_checkpoint_layout(checkpoint_fact
     data.write_text(inspect.getsource(inspect) * 2)
     out = tmp_path / "recal"
     # Engines draft a checkpoint's own head over the whole vocabulary: so is it scored.
-    from mtpkit.train import calibrate
-
-    sources = []
-
-    class Seen(calibrate._OnlineSource):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            sources.append(self)
-
-    monkeypatch.setattr(calibrate, "_OnlineSource", Seen)
+    sources = _online_sources(monkeypatch)
     run(CalibrateConfig(model=str(src), data=[str(data)], out=str(out), init="head",
                         seq_len=32, batch_size=2, steps=3, heldout_fraction=0.0,
                         checkpoint_every=0), progress="off")
@@ -431,16 +437,7 @@ def test_online_loss_scores_the_draft_vocabulary_as_a_cache_would(setup, trained
         assert abs(float(got[0]) - float(full[0])) > 0.05 * float(full[0])
     assert own.draft_vocab() == vocab
     # calibrate itself takes that loss for a head of its own with a draft vocabulary.
-    from mtpkit.train import calibrate
-
-    sources = []
-
-    class Seen(calibrate._OnlineSource):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            sources.append(self)
-
-    monkeypatch.setattr(calibrate, "_OnlineSource", Seen)
+    sources = _online_sources(monkeypatch)
     run(_cfg(root, trunk, data, "scored", steps=1), progress="off")
     assert len(sources) == 1 and sources[0].scored is not None
     assert sources[0].scored.tolist() == sources[0].vocab
