@@ -91,15 +91,70 @@ def test_drafting_pays_against_brute_force(seed):
     for j in range(1, k + 1):
         tokens = n * (1 + sum(math.prod(probs[: i + 1]) for i in range(j)))
         best = max(best, tokens / cost(n + n * j))
-    assert drafting_pays(probs, n, cost, lean) == (best > n / lean)
+    assert drafting_pays([probs], n, cost, lean) == (best > n / lean)
 
 
 def test_drafting_pays_only_for_drafts_worth_their_rows():
     """Sure drafts on rows cheaper than a token pay (but not on rows that cost a token
     each); drafts never accepted never do; a drafting round whose head costs as much as
     the trunk pays only with good drafts."""
-    assert drafting_pays([1.0], 4, lambda rows: 2 + rows / 2, 4.0)
-    assert not drafting_pays([1.0], 4, lambda rows: rows, 4.0)
-    assert not drafting_pays([0.0, 0.0], 4, lambda rows: rows, 4.0)
-    assert not drafting_pays([0.5], 8, lambda rows: 8 + rows, 8.0)
-    assert drafting_pays([0.95, 0.9], 8, lambda rows: 8 + rows, 40.0)
+    assert drafting_pays([[1.0]], 4, lambda rows: 2 + rows / 2, 4.0)
+    assert not drafting_pays([[1.0]], 4, lambda rows: rows, 4.0)
+    assert not drafting_pays([[0.0, 0.0]], 4, lambda rows: rows, 4.0)
+    assert not drafting_pays([[0.5]], 8, lambda rows: 8 + rows, 8.0)
+    assert drafting_pays([[0.95, 0.9]], 8, lambda rows: 8 + rows, 40.0)
+    assert not drafting_pays([], 8, lambda rows: 1.0, 40.0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_drafting_pays_against_the_best_choice_of_drafts(seed):
+    """With a batch of as many sequences as samples, drafting pays exactly when the best
+    way to verify some of that batch's drafts (the slow reference: every way) beats the
+    lean rate: the samples' ranks stand for the batch's own."""
+    rng = random.Random(seed)
+    n, k = rng.randint(1, 6), rng.randint(1, 3)
+    samples = [[rng.choice([rng.random(), rng.uniform(0.9, 1.0), 0.0]) for _ in range(k)]
+               for _ in range(n)]
+    cost = _costs(rng)
+    lean = cost(n) * rng.uniform(0.5, 1.2)
+    best = max(_rate(samples, list(t), cost)
+               for t in itertools.product(range(k + 1), repeat=n) if any(t))
+    if abs(best - n / lean) < 1e-9 * best:
+        return  # a tie either way
+    assert drafting_pays(samples, n, cost, lean) == (best > n / lean)
+
+
+def test_drafting_pays_for_the_sure_drafts_alone():
+    """Half the sequences' drafts sure, half hopeless: their mean (0.5) never pays on rows
+    that cost nearly a token each, but verifying the sure ones alone does; and a larger
+    batch of the same mix counts the sure ones in proportion."""
+    samples = [[1.0], [0.0]]
+
+    def cost(rows):
+        return 4.0 + rows
+
+    lean = cost(8)
+    assert not drafting_pays([[0.5]], 8, cost, lean)
+    assert drafting_pays(samples, 8, cost, lean)
+    assert drafting_pays(samples * 8, 8, cost, lean)
+    # One sure draft in ten sequences: 0.8 of one a batch of 8, not worth a row's cost.
+    assert not drafting_pays([[1.0]] + [[0.0]] * 9, 8, lambda rows: 4.0 + 3.0 * rows, 28.0)
+
+
+def test_round_costs_forget_what_was_not_measured_lately():
+    """A row count not measured for max_age_s is unknown again (and so measured again),
+    while one measured since stays; a count measured anew starts from its new time."""
+    now = [0.0]
+    costs = RoundCosts(max_age_s=10.0, clock=lambda: now[0])
+    costs.record(8, 0.050)
+    now[0] = 6.0
+    costs.record(16, 0.400)  # a busy moment
+    assert costs.known(8) and costs.estimate(16) == 0.400
+    now[0] = 12.0
+    assert not costs.known(8) and costs.known(16)
+    assert costs.estimate(12) is None  # nothing measured below 12 any more
+    now[0] = 17.0
+    assert not costs.known(16) and not costs.seconds
+    costs.record(16, 0.030)
+    assert costs.estimate(16) == 0.030  # not averaged with the forgotten 0.400
+    assert costs.turns == 3

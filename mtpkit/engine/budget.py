@@ -11,6 +11,7 @@ verification keeps whatever prefix the trunk agrees with); it changes only the s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 
@@ -64,23 +65,39 @@ def choose_drafts(probs: list[list[float]],
 
 
 class RoundCosts:
-    """Measured seconds of batched rounds of one batch size, by rows verified."""
+    """Measured seconds of batched rounds of one batch size, by rows verified. A count not
+    measured for ``max_age_s`` is forgotten: a cost taken once on a busy machine would
+    otherwise stand for good whenever the choice it drove never measures it again."""
 
-    def __init__(self) -> None:
+    MAX_AGE_S = 20.0
+
+    def __init__(self, max_age_s: float = MAX_AGE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.seconds: dict[int, float] = {}  # rows -> moving average
         self.turns = 0
+        self._when: dict[int, float] = {}  # rows -> when last measured
+        self._max_age_s = max_age_s
+        self._clock = clock
 
     def record(self, rows: int, seconds: float) -> None:
         """Add one round's time."""
+        self._expire()
         old = self.seconds.get(rows)
         # The machine's speed moves (shared CPUs), so recent rounds weigh most.
         self.seconds[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        self._when[rows] = self._clock()
         self.turns += 1
+
+    def known(self, rows: int) -> bool:
+        """Whether rounds of this many rows have been measured lately."""
+        self._expire()
+        return rows in self.seconds
 
     def estimate(self, rows: int) -> float | None:
         """Seconds of a round of this many rows: measured, else that of the next larger
         measured count when a smaller one is measured too (more rows never cost less),
         else None."""
+        self._expire()
         if rows in self.seconds:
             return self.seconds[rows]
         above = [r for r in self.seconds if r > rows]
@@ -88,21 +105,37 @@ class RoundCosts:
             return self.seconds[min(above)]
         return None
 
+    def _expire(self) -> None:
+        now = self._clock()
+        for rows in [r for r, t in self._when.items() if now - t > self._max_age_s]:
+            del self.seconds[rows], self._when[rows]
 
-def drafting_pays(mean_probs: list[float], n: int, cost: Callable[[int], float | None],
+
+def drafting_pays(samples: list[list[float]], n: int, cost: Callable[[int], float | None],
                   lean_seconds: float) -> bool:
     """Whether n sequences drafting yield more tokens per second than rounds that draft
-    nothing (lean_seconds each), given the head's mean probability at each draft position
-    and cost(rows) of a drafting round."""
-    # With every sequence verifying j drafts, a round yields n (1 + E_1 + .. + E_j) tokens,
-    # E_j = p_1 .. p_j, at cost(n + n j); a lean round n tokens at lean_seconds. Drafting
-    # pays when some j beats the lean rate (j = 0 never does: it drafts for nothing).
-    lean = n / lean_seconds
-    e, tokens = 1.0, float(n)
-    for j, p in enumerate(mean_probs, 1):
-        e *= min(max(p, 0.0), 1.0)
-        tokens += n * e
-        seconds = cost(n + n * j)
-        if seconds is not None and seconds > 0 and tokens / seconds > lean:
+    nothing (lean_seconds each), given the head's probabilities of the drafts of recent
+    sequences (``samples``, one list a sequence) and cost(rows) of a drafting round that
+    verifies the likeliest drafts (choose_drafts)."""
+    # Every draft seen is worth E = p_1 .. p_j (_ranked). A batch of n sequences drawn like
+    # the S samples holds in expectation n / S of the drafts at each rank of them, so its m
+    # likeliest drafts are worth n / S times the sum of the top m S / n values (the last
+    # one in part), and the round yields n + that many tokens at cost(n + m); a lean round
+    # n tokens at lean_seconds. Drafting pays when some m beats the lean rate (m = 0 never
+    # does: it drafts for nothing). With one sample of mean probabilities this is every
+    # sequence verifying j drafts alike, at m = n j.
+    values = [e for e, _, _ in _ranked(samples)]
+    if not values:
+        return False
+    s, lean = len(samples), n / lean_seconds
+    tops = [0.0]
+    for e in values:
+        tops.append(tops[-1] + e)
+    for m in range(1, n * max(len(ps) for ps in samples) + 1):
+        q = m * s / n
+        whole = min(int(q), len(values))
+        top = tops[whole] + ((q - whole) * values[whole] if whole < len(values) else 0.0)
+        seconds = cost(n + m)
+        if seconds is not None and seconds > 0 and (n + n / s * top) / seconds > lean:
             return True
     return False

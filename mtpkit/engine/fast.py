@@ -44,6 +44,7 @@ engine's tokens. Decoders whose steps do not pool leave sampling to the eager en
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import hashlib
@@ -89,6 +90,7 @@ POOL_KINDS = ("trunk_pool", "head_pool")  # programs over pooled caches (make_po
 # Rows a pooled step may have: a prompt's threshold for torch's GEMM (QuantLinear), which the
 # compiled pool programs are built below; steps of more rows take the unpooled passes.
 POOL_MAX_ROWS = 256
+DRAFT_SEEN = 256  # sequences' draft probabilities whether drafting pays is judged on (_lean)
 DEFAULT_MAX_LEN = 2048  # cache positions of a FastDecoder unless the model's context is shorter
 
 
@@ -771,7 +773,8 @@ class FastDecoder:
         self._counts: dict[tuple, int] = {}
         self._round_costs: dict[tuple, RoundCosts] = {}  # (k, sequences) -> round costs
         self._lean_costs: dict[tuple, RoundCosts] = {}  # the same, of rounds drafting nothing
-        self._draft_p: list[float] = []  # the head's mean probability a draft position
+        # The head's probabilities of the drafts of recent sequences in real rounds.
+        self._draft_seen: collections.deque[list[float]] = collections.deque(maxlen=DRAFT_SEEN)
         # The same for sampled rounds: their costs, and how often a draft at each position
         # is accepted once those before it are.
         self._sample_costs: dict[tuple, RoundCosts] = {}
@@ -1502,37 +1505,37 @@ class FastDecoder:
         return [(torch.cat([t, zero, t.expand(k)]), none) for t in targets]
 
     def _note_probs(self, group: list[Step]) -> None:
-        # A moving average of the head's probability at each draft position, from the
-        # drafts of real rounds (a lean round's placeholders have probability 0).
-        mean = self._draft_p
+        # The head's probabilities of the drafts of real rounds (a lean round's placeholders
+        # have probability 0), the most recent kept.
         for st in group:
-            if not _drafted(st.probs):
-                continue
-            for j, p in enumerate(st.probs.tolist()):
-                if j < len(mean):
-                    mean[j] = 0.9 * mean[j] + 0.1 * p
-                else:
-                    mean.append(p)
+            if _drafted(st.probs):
+                self._draft_seen.append(st.probs.tolist())
 
     def _lean(self, k: int, n: int, sampled: bool = False) -> bool:
         # Whether this batched round drafts nothing (engine/budget.py: drafting_pays). At a
         # batch size where the head's drafts cost more than their accepted tokens bring,
         # MTP would make the server slower than no MTP: its rounds then run the trunk only.
-        # Drafting rounds are measured first, then a lean one; then the measured costs
-        # decide, except every EXPLORE-th round, which takes the other way to keep both
-        # costs current (and the head's probabilities known). ``sampled``: of sampled
-        # rounds, whose costs are kept apart and whose chance of acceptance is the counted
-        # one (with one hit and one miss of prior), not the head's probabilities.
-        tables = ((self._sample_costs, self._sample_lean_costs,
-                   [(h + 1) / (s + 2) for h, s in self._sample_accept]) if sampled
-                  else (self._round_costs, self._lean_costs, self._draft_p))
-        full, lean, chance = tables[0].get((k, n)), tables[1].get((k, n)), tables[2]
-        if full is None or not full.seconds or not chance:
+        # Drafting rounds that verify drafts are measured first, then a lean one; then the
+        # measured costs decide, except every EXPLORE-th round, which takes the other way
+        # to keep both costs current (and the head's probabilities known). A cost not
+        # measured lately is forgotten (RoundCosts) and measured again the same way.
+        # ``sampled``: of sampled rounds, whose costs are kept apart and whose chance of
+        # acceptance is the counted one (with one hit and one miss of prior), not the
+        # head's probabilities.
+        if sampled:
+            full, lean = self._sample_costs.get((k, n)), self._sample_lean_costs.get((k, n))
+            chance = [(h + 1) / (s + 2) for h, s in self._sample_accept][:k]
+            samples = [chance] if chance else []
+        else:
+            full, lean = self._round_costs.get((k, n)), self._lean_costs.get((k, n))
+            samples = [ps[:k] for ps in self._draft_seen]
+        if (full is None or not samples
+                or not any(full.known(r) for r in range(n + 1, n * (k + 1) + 1))):
             return False
-        if lean is None:
+        lean_seconds = None if lean is None else lean.estimate(n)
+        if lean_seconds is None:
             return True
-        pays = drafting_pays(chance[:k], n, full.estimate, lean.estimate(n)
-                             or min(lean.seconds.values()))
+        pays = drafting_pays(samples, n, full.estimate, lean_seconds)
         return pays if (full.turns + lean.turns) % (4 * EXPLORE) == 0 else not pays
 
     def _drafts_to_verify(self, group: list[Step], k: int) -> list[int]:
@@ -1546,9 +1549,9 @@ class FastDecoder:
         if not any(_drafted(st.probs) for st in group):
             return [0] * n  # a lean round's placeholders (or no drafts): nothing to gain
         costs = self._round_costs.setdefault((k, n), RoundCosts())
-        if n + most not in costs.seconds:
+        if not costs.known(n + most):
             return full
-        if n not in costs.seconds:
+        if not costs.known(n):
             return [0] * n
         probs = [[] if st.probs is None else st.probs.tolist() for st in group]
         if costs.turns % EXPLORE == 0:
