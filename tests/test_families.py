@@ -240,30 +240,53 @@ def test_model_without_head_decodes_plainly(tmp_path):
     assert len(tokens) == 32 and res.metrics.num_draft_tokens == 0
 
 
-PACKABLE = {"llama", "llama_tied", "qwen2", "qwen3", "mimo", "glm4_moe"}  # GQA-only trunks
+# Trunks whose every layer attends in a way packed steps take: GQA, MLA (DeepSeek-V3 and
+# its kin) and hybrid Gated-DeltaNet (Qwen3-Next / 3.5).
+PACKABLE = {"llama", "llama_tied", "qwen2", "qwen3", "mimo", "glm4_moe", "qwen3_next_dense",
+            "qwen3_next_moe", "qwen3_5_vlm", "deepseek_v3", "deepseek_v3_plain_q",
+            "glm4_moe_lite", "kimi_k25"}
+
+
+def _layer_state(cache) -> list[torch.Tensor]:
+    # What a layer's cache holds up to its length: keys and values (or latents), or a
+    # recurrent layer's state and conv window.
+    if hasattr(cache, "state"):
+        return [cache.state, cache.conv_state]
+    return [cache.k[:, :, : cache.length], cache.v[:, :, : cache.length]]
 
 
 @pytest.mark.parametrize("name", FAMILY_IDS)
 def test_packed_forward_equals_separate_forwards(name, engine_factory):
-    """Several sequences in one trunk forward (serving's batched step) = each one alone."""
+    """Several sequences in one trunk forward (serving's batched step) = each one alone,
+    caches included; and after one sequence rolls back rejected drafts (a recurrent
+    layer's per-position snapshot, a KV cache's length), the next packed step still
+    equals the lone ones."""
     model = engine_factory(name).model
     assert model.packable() == (name in PACKABLE)
     if not model.packable():
         return
     g = torch.Generator().manual_seed(5)
     prefix = [torch.randint(0, VOCAB, (1, n), generator=g) for n in (7, 1, 12)]
-    # A verification (4), a decode step (1) and a prefill chunk (9) in one forward.
-    step = [torch.randint(0, VOCAB, (1, n), generator=g) for n in (4, 1, 9)]
+    # A verification (4), a decode step (1) and a prefill chunk (9) in one forward; then
+    # the first keeps 2 of its 4 rows and all three step again.
+    steps = [[torch.randint(0, VOCAB, (1, n), generator=g) for n in sizes]
+             for sizes in ((4, 1, 9), (3, 1, 2))]
     with torch.no_grad():
         solo, packed = [model.new_cache(64) for _ in prefix], [model.new_cache(64) for _ in prefix]
         for ids, a, b in zip(prefix, solo, packed, strict=True):
             model(ids, a)
             model(ids, b)
-        want = [model(ids, c) for ids, c in zip(step, solo, strict=True)]
-        got = model.forward_packed(list(zip(step, packed, strict=True)))
-    for w, o, a, b in zip(want, got, solo, packed, strict=True):
-        assert o.hidden.shape == w.hidden.shape
-        assert (model.logits(o.hidden) - model.logits(w.hidden)).abs().max() < 1e-4
-        assert (o.pre_norm - w.pre_norm).abs().max() < 1e-4
-        assert b.length == a.length
-        assert (b[0].k[:, :, : b.length] - a[0].k[:, :, : a.length]).abs().max() < 1e-5
+        for i, step in enumerate(steps):
+            if i:
+                for caches in (solo, packed):
+                    caches[0].trim(prefix[0].shape[1] + 2)
+            want = [model(ids, c) for ids, c in zip(step, solo, strict=True)]
+            got = model.forward_packed(list(zip(step, packed, strict=True)))
+            for w, o, a, b in zip(want, got, solo, packed, strict=True):
+                assert o.hidden.shape == w.hidden.shape
+                assert (model.logits(o.hidden) - model.logits(w.hidden)).abs().max() < 1e-4
+                assert (o.pre_norm - w.pre_norm).abs().max() < 1e-4
+                assert b.length == a.length
+                for la, lb in zip(a, b, strict=True):
+                    for x, y in zip(_layer_state(la), _layer_state(lb), strict=True):
+                        assert (x - y).abs().max() < 1e-5

@@ -759,6 +759,97 @@ def test_concurrent_sequences_share_one_trunk_forward(ref, packed, fast, monkeyp
     assert set(teams) == ({1} if not fast else set())  # the fast path runs no such thread
 
 
+@pytest.mark.parametrize("family", ["qwen3_next_moe", "deepseek_v3"])
+def test_hybrid_and_mla_trunks_pack_their_sequences(family, checkpoint_factory, tmp_path):
+    """Hybrid Gated-DeltaNet (Qwen3-Next) and MLA (DeepSeek-V3) trunks serve concurrent
+    sequences in packed forwards too: each keeps the tokens of its single-request run
+    (greedy and seeded sampling, MTP drafts rejected and rolled back in every recurrent
+    layer, prompts in pieces)."""
+    import shutil
+
+    import tiny
+
+    from mtpkit.serve.scheduler import Request
+
+    out = tmp_path / "m"
+    shutil.copytree(checkpoint_factory(family), out)
+    tiny.write_char_tokenizer(out)
+    fam_ref = Reference(out)
+    sched = _scheduler(fam_ref, packed=True)
+    prompts = ["def f(x):", "import os\n", "a" * 40, "x"]
+    temps = [0.0, 0.0, 0.8, 0.0]
+    done = {i: threading.Event() for i in range(len(prompts))}
+    texts = dict.fromkeys(range(len(prompts)), "")
+
+    def on_event(i):
+        def f(ev):
+            if ev[0] == "text":
+                texts[i] += ev[1]
+            else:
+                done[i].set()
+        return f
+
+    reqs = [Request(str(i), fam_ref.ids(p), SamplingParams(max_tokens=20, ignore_eos=True,
+                                                            temperature=t, seed=3), on_event(i))
+            for i, (p, t) in enumerate(zip(prompts, temps, strict=True))]
+    try:
+        for r in reqs:
+            sched.submit(r)
+        for e in done.values():
+            assert e.wait(120)
+    finally:
+        sched.stop()
+    assert sched.packed and sched.packed_steps > 10
+    drafted = 0
+    for i, (p, t) in enumerate(zip(prompts, temps, strict=True)):
+        want, res = fam_ref.run(fam_ref.ids(p), 20, 3, ignore_eos=True, temperature=t, seed=3)
+        assert texts[i] == want, p
+        drafted += res.metrics.num_draft_tokens - res.metrics.num_accepted_tokens
+    assert drafted > 0  # drafts were rejected, so caches rolled back
+
+
+def test_failed_packed_forward_fails_only_what_cannot_roll_back(engine_factory):
+    """A packed forward that fails after its layers ran: a sequence whose recurrent layers
+    took a long prompt piece (no snapshot to return to) fails with the error; one whose
+    step was short goes back to its position and runs alone, with its lone output."""
+    from types import SimpleNamespace
+
+    from mtpkit.serve.scheduler import Scheduler
+
+    model = engine_factory("qwen3_next_moe").model
+
+    class FailsAfter:
+        """The model, whose packed forward fails once every layer has run."""
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, ids, cache=None):
+            return model(ids, cache)
+
+        def forward_packed(self, items):
+            model.forward_packed(items)
+            raise RuntimeError("injected fault")
+
+    g = torch.Generator().manual_seed(2)
+    long_ids, head, short = (torch.randint(0, 90, (1, n), generator=g) for n in (24, 5, 2))
+    solo, b = model.new_cache(64), model.new_cache(64)
+    with torch.no_grad():
+        model(head, solo)
+        model(head, b)
+        want = model(short, solo)
+    workers = [SimpleNamespace(job=(long_ids, model.new_cache(64)), job_out=None),
+               SimpleNamespace(job=(short, b), job_out=None)]
+    sched = Scheduler.__new__(Scheduler)
+    sched.model, sched._running, sched.packed_steps = FailsAfter(), workers, 0
+    sched._run_jobs()
+    assert isinstance(workers[0].job_out, RuntimeError) and workers[0].job is None
+    assert str(workers[0].job_out) == "injected fault"
+    got = workers[1].job_out
+    assert (model.logits(got.hidden) - model.logits(want.hidden)).abs().max() < 1e-5
+    assert b.length == solo.length == 7 and sched.packed_steps == 0
+
+
 def test_engine_failure_gives_500_and_the_engine_goes_on(ref, model_dir):
     from mtpkit.serve.app import ServeConfig, ServerState, create_app
 

@@ -60,6 +60,8 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class Attention(nn.Module):
     """GQA attention; names as in Llama/Qwen checkpoints (q_proj, k_proj, v_proj, o_proj)."""
 
+    packs = True  # forward takes PackedCaches (CausalLM.packable)
+
     def __init__(
         self,
         hidden_size: int,

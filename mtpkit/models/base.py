@@ -97,12 +97,16 @@ class CausalLM(nn.Module):
         return torch.cat(aux, dim=-1)
 
     def packable(self) -> bool:
-        """Whether ``forward_packed`` can run this trunk: every layer mixes by GQA attention."""
-        from .attention import Attention
+        """Whether ``forward_packed`` can run this trunk: every layer's attention (GQA, MLA
+        or Gated DeltaNet) takes PackedCaches."""
+        # Read off each mixer's own class, not inherited: a subclass that attends in its
+        # own way (sparse, sliding-window, sinks) packs only where it says so itself.
+        def packs(layer) -> bool:
+            mixers = [m for m in (getattr(layer, "self_attn", None),
+                                  getattr(layer, "linear_attn", None)) if m is not None]
+            return bool(mixers) and all(vars(type(m)).get("packs", False) for m in mixers)
 
-        return all(type(getattr(layer, "self_attn", None)) is Attention
-                   and getattr(layer, "linear_attn", None) is None
-                   for layer in self.model.layers)
+        return all(packs(layer) for layer in self.model.layers)
 
     def forward_packed(self, items: list[tuple[torch.Tensor, ModelCache]]) -> list[TrunkOutput]:
         """One trunk forward over several sequences: (ids [1, T_i], cache_i) each.

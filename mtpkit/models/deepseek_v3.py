@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quant.linear import dtype_device
-from .attention import causal_mask
+from .attention import PackedCaches, causal_mask
 from .base import CausalLM
 from .cache import KVCache
 from .config import ConfigBase, require, rope_settings
@@ -133,6 +133,8 @@ class LatentCache(KVCache):
 class MLAttention(nn.Module):
     """Multi-head Latent Attention; module names as in DeepSeek-V3 checkpoints."""
 
+    packs = True  # forward takes PackedCaches (CausalLM.packable)
+
     def __init__(self, cfg: DeepseekV3Config) -> None:
         super().__init__()
         self.h, self.r = cfg.num_attention_heads, cfg.kv_lora_rank
@@ -166,9 +168,19 @@ class MLAttention(nn.Module):
             x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
         return Rotary.apply(x, cos, sin)
 
-    def forward(self, x, cos, sin, cache: LatentCache | None) -> torch.Tensor:
-        """x [B, T, D] at positions cache.length.. -> [B, T, D]."""
+    def forward(self, x, cos, sin, cache: LatentCache | PackedCaches | None) -> torch.Tensor:
+        """x [B, T, D] at positions cache.length.. -> [B, T, D]. With ``PackedCaches``, x
+        [1, sum T_i, D] holds several sequences one after another: the projections run once
+        over all their rows and each sequence attends over its own latent cache."""
         _, q_nope, q_rot, c, k_rot = self.project(x, cos, sin)
+        if isinstance(cache, PackedCaches):
+            outs, s = [], 0
+            for lc, n in zip(cache.caches, cache.lengths, strict=True):
+                part = slice(s, s + n)
+                outs.append(self.attend(q_nope[:, :, part], q_rot[:, :, part], c[:, :, part],
+                                        k_rot[:, :, part], lc, project=False))
+                s += n
+            return self.o_proj(torch.cat(outs, 1))
         return self.attend(q_nope, q_rot, c, k_rot, cache)
 
     def project(self, x, cos, sin):
@@ -189,9 +201,10 @@ class MLAttention(nn.Module):
         return q_lat, q_nope, q_rot, c, k_rot
 
     def attend(self, q_nope, q_rot, c, k_rot, cache: LatentCache | None,
-               keep: torch.Tensor | None = None) -> torch.Tensor:
+               keep: torch.Tensor | None = None, project: bool = True) -> torch.Tensor:
         """Write c / k_rot to the cache and attend -> [B, T, D]; ``keep`` [B, T, S] (bool),
-        when given, narrows the keys each query sees further (sparse attention)."""
+        when given, narrows the keys each query sees further (sparse attention);
+        ``project=False``: the heads' output [B, T, H * dv] before o_proj."""
         b, _, t, _ = q_nope.shape
         start, keys = 0, None
         if cache is not None:
@@ -223,7 +236,8 @@ class MLAttention(nn.Module):
             q = torch.cat([q_nope, q_rot], dim=-1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             out = out.transpose(1, 2)
-        return self.o_proj(out.reshape(b, t, self.h * self.dv))
+        out = out.reshape(b, t, self.h * self.dv)
+        return self.o_proj(out) if project else out
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import PackedCaches
+
 LAYOUTS = ("qwen3_next", "qwen3_5")
 
 
@@ -305,6 +307,8 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next / Qwen3.5 linear-attention layer; parameter names match the HF checkpoints."""
 
+    packs = True  # forward takes PackedCaches (CausalLM.packable)
+
     def __init__(
         self,
         hidden_size: int,
@@ -379,12 +383,33 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(bsz, t, self.num_v_heads, self.head_v_dim)
         return qkv, z, b.reshape(bsz, t, -1), a.reshape(bsz, t, -1)
 
-    def forward(self, x: torch.Tensor, cache: GatedDeltaNetCache | None = None) -> torch.Tensor:
-        """Map hidden states [B,T,D] to [B,T,D], continuing from (and advancing) ``cache``."""
+    def forward(self, x: torch.Tensor,
+                cache: GatedDeltaNetCache | PackedCaches | None = None) -> torch.Tensor:
+        """Map hidden states [B,T,D] to [B,T,D], continuing from (and advancing) ``cache``.
+
+        With ``PackedCaches``, x [1, sum T_i, D] holds several sequences one after another
+        (a server's batched step, CausalLM.forward_packed): the projections run once over
+        all their rows and each sequence's conv and recurrence continue its own state, as
+        its forward alone would.
+        """
         bsz, t, _ = x.shape
         qkv, z, b, a = self._project(x)
-        conv_in = qkv.transpose(1, 2)
+        if isinstance(cache, PackedCaches):
+            outs, s = [], 0
+            for c, n in zip(cache.caches, cache.lengths, strict=True):
+                outs.append(self._mix(qkv[:, s : s + n], b[:, s : s + n], a[:, s : s + n], c))
+                s += n
+            out = torch.cat(outs, 1)
+        else:
+            out = self._mix(qkv, b, a, cache)
+        out = self.norm(out.to(x.dtype), z)
+        return self.out_proj(out.reshape(bsz, t, self.value_dim))
 
+    def _mix(self, qkv, b, a, cache: GatedDeltaNetCache | None) -> torch.Tensor:
+        # One sequence's conv and gated delta rule over its projections qkv [B, T, conv_dim],
+        # b, a [B, T, Hv] -> the heads' output [B, T, Hv, Dv].
+        bsz, t, _ = qkv.shape
+        conv_in = qkv.transpose(1, 2)
         states_buf = cache.begin_forward(conv_in) if cache is not None else None
         window = cache.conv_state if cache is not None else None
         mixed, new_window = causal_conv1d_silu(conv_in, self.conv1d.weight, window)
@@ -407,9 +432,7 @@ class GatedDeltaNet(nn.Module):
         else:
             out, state = chunk_gated_delta_rule(q, k, v, g, beta, cache.state)
             cache.end_forward(t, new_window, state)
-
-        out = self.norm(out.to(x.dtype), z)
-        return self.out_proj(out.reshape(bsz, t, self.value_dim))
+        return out
 
     def new_cache(
         self,

@@ -599,13 +599,19 @@ class Scheduler:
             starts = [w.job[1].length for w in pending]
             try:
                 outs = self.model.forward_packed([w.job for w in pending])
-            except Exception:
+            except Exception as failure:
                 # Put every cache back where it was, then let each sequence fail (or not)
-                # alone below: one request's error must never become another's.
+                # alone below: one request's error must never become another's. A recurrent
+                # layer that a long prompt piece went through keeps no snapshot to return
+                # to (GatedDeltaNetCache): that sequence's state is lost, and it fails.
                 log.debug("packed forward failed; running its sequences one by one",
                           exc_info=True)
                 for w, start in zip(pending, starts, strict=True):
-                    w.job[1].trim(start)
+                    try:
+                        w.job[1].trim(start)
+                    except ValueError:
+                        w.job, w.job_out = None, failure
+                pending = [w for w in pending if w.job is not None]
             else:
                 self.packed_steps += 1
                 for w, out in zip(pending, outs, strict=True):
