@@ -8,7 +8,13 @@ import random
 
 import pytest
 
-from mtpkit.engine.budget import RoundCosts, choose_drafts, drafting_pays, top_drafts
+from mtpkit.engine.budget import (
+    DraftOdds,
+    RoundCosts,
+    choose_drafts,
+    drafting_pays,
+    top_drafts,
+)
 
 
 def _rate(probs, take, cost):
@@ -139,6 +145,23 @@ def test_drafting_pays_for_the_sure_drafts_alone():
     assert drafting_pays(samples * 8, 8, cost, lean)
     # One sure draft in ten sequences: 0.8 of one a batch of 8, not worth a row's cost.
     assert not drafting_pays([[1.0]] + [[0.0]] * 9, 8, lambda rows: 4.0 + 3.0 * rows, 28.0)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_draft_odds_judge_the_last_sequences_as_drafting_pays_does(seed):
+    """DraftOdds, kept ranked as sequences come and go, decides as drafting_pays does over
+    the same last sequences (drafts of varying depth, batch sizes and costs)."""
+    rng = random.Random(seed)
+    size = rng.randint(1, 12)
+    odds, seen = DraftOdds(size), []
+    for step in range(40):
+        probs = [rng.choice([rng.random(), 1.0, 0.0]) for _ in range(rng.randint(1, 3))]
+        odds.add(probs)
+        seen.append(probs)
+        assert odds.sequences == min(len(seen), size)
+        n, cost = rng.randint(1, 8), _costs(rng)
+        lean = cost(n) * rng.uniform(0.6, 1.3)
+        assert odds.pays(n, cost, lean) == drafting_pays(seen[-size:], n, cost, lean), step
 
 
 def test_round_costs_forget_what_was_not_measured_lately():

@@ -964,7 +964,7 @@ def test_lean_rounds_keep_each_sequences_tokens(pooled, engine_factory, monkeypa
         assert [got[i] for i in range(3)] == want, k
         for r in results:
             assert r.metrics.num_accepted_tokens <= r.metrics.num_draft_tokens
-    assert dec._lean_costs and dec._draft_seen
+    assert dec._lean_costs and dec._draft_seen.sequences
 
 
 def test_programs_are_keyed_by_their_own_family_sources_only(engine_factory):

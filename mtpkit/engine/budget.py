@@ -11,6 +11,10 @@ verification keeps whatever prefix the trunk agrees with); it changes only the s
 
 from __future__ import annotations
 
+import bisect
+import collections
+import itertools
+import math
 import time
 from collections.abc import Callable
 
@@ -117,25 +121,58 @@ def drafting_pays(samples: list[list[float]], n: int, cost: Callable[[int], floa
     nothing (lean_seconds each), given the head's probabilities of the drafts of recent
     sequences (``samples``, one list a sequence) and cost(rows) of a drafting round that
     verifies the likeliest drafts (choose_drafts)."""
-    # Every draft seen is worth E = p_1 .. p_j (_ranked). A batch of n sequences drawn like
-    # the S samples holds in expectation n / S of the drafts at each rank of them, so its m
-    # likeliest drafts are worth n / S times the sum of the top m S / n values (the last
-    # one in part), and the round yields n + that many tokens at cost(n + m); a lean round
-    # n tokens at lean_seconds. Drafting pays when some m beats the lean rate (m = 0 never
-    # does: it drafts for nothing). With one sample of mean probabilities this is every
-    # sequence verifying j drafts alike, at m = n j.
-    values = [e for e, _, _ in _ranked(samples)]
-    if not values:
+    return _pays([e for e, _, _ in _ranked(samples)], len(samples), n, cost, lean_seconds)
+
+
+def _pays(odds: list[float], sequences: int, n: int, cost: Callable[[int], float | None],
+          lean_seconds: float) -> bool:
+    # odds: E = p_1 .. p_j of every draft of ``sequences`` sequences, highest first
+    # (_ranked). A batch of n sequences drawn like them holds in expectation n / S of the
+    # drafts at each rank (S = sequences), so its m likeliest drafts are worth n / S times
+    # the sum of the top m S / n values (the last one in part), and the round yields n +
+    # that many tokens at cost(n + m); a lean round n tokens at lean_seconds. Drafting pays
+    # when some m beats the lean rate (m = 0 never does: it drafts for nothing). With one
+    # sequence of mean probabilities this is every sequence verifying j drafts alike, at
+    # m = n j.
+    if not odds:
         return False
-    s, lean = len(samples), n / lean_seconds
-    tops = [0.0]
-    for e in values:
-        tops.append(tops[-1] + e)
-    for m in range(1, n * max(len(ps) for ps in samples) + 1):
-        q = m * s / n
-        whole = min(int(q), len(values))
-        top = tops[whole] + ((q - whole) * values[whole] if whole < len(values) else 0.0)
+    lean = n / lean_seconds
+    tops = list(itertools.accumulate(odds, initial=0.0))
+    for m in range(1, math.ceil(n * len(odds) / sequences) + 1):  # past it, no more odds
+        q = m * sequences / n
+        whole = min(int(q), len(odds))
+        top = tops[whole] + ((q - whole) * odds[whole] if whole < len(odds) else 0.0)
         seconds = cost(n + m)
-        if seconds is not None and seconds > 0 and (n + n / s * top) / seconds > lean:
+        if seconds is not None and seconds > 0 and (n + n / sequences * top) / seconds > lean:
             return True
     return False
+
+
+class DraftOdds:
+    """The drafts of the last ``size`` sequences, as drafting_pays weighs them, kept ranked
+    as they come (a server asks every batched round; ranking them anew each time would
+    cost a tenth of a millisecond and more)."""
+
+    def __init__(self, size: int) -> None:
+        self._seen: collections.deque[list[float]] = collections.deque()
+        self._size = size
+        self._neg: list[float] = []  # -E of every draft kept, ascending (bisect's order)
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences' drafts are kept."""
+        return len(self._seen)
+
+    def add(self, probs: list[float]) -> None:
+        """Keep one sequence's drafts (the head's probability of each, in order)."""
+        odds = [e for e, _, _ in _ranked([probs])]
+        self._seen.append(odds)
+        for e in odds:
+            bisect.insort(self._neg, -e)
+        if len(self._seen) > self._size:
+            for e in self._seen.popleft():
+                del self._neg[bisect.bisect_left(self._neg, -e)]
+
+    def pays(self, n: int, cost: Callable[[int], float | None], lean_seconds: float) -> bool:
+        """drafting_pays over the sequences kept."""
+        return _pays([-e for e in self._neg], len(self._seen), n, cost, lean_seconds)

@@ -44,7 +44,6 @@ engine's tokens. Decoders whose steps do not pool leave sampling to the eager en
 
 from __future__ import annotations
 
-import collections
 import copy
 import gc
 import hashlib
@@ -75,7 +74,7 @@ from ..quant.linear import (
 )
 from ..quant.w8a8_layer import W8A8Forms, w8a8_block, w8a8_block_fits, w8a8_trunk, w8a8_whole
 from .accept import accept_sampled
-from .budget import RoundCosts, choose_drafts, drafting_pays, top_drafts
+from .budget import DraftOdds, RoundCosts, choose_drafts, drafting_pays, top_drafts
 from .generate import Result, draw_draft, emit
 from .sampling import SamplingParams, probs, sample
 
@@ -774,7 +773,7 @@ class FastDecoder:
         self._round_costs: dict[tuple, RoundCosts] = {}  # (k, sequences) -> round costs
         self._lean_costs: dict[tuple, RoundCosts] = {}  # the same, of rounds drafting nothing
         # The head's probabilities of the drafts of recent sequences in real rounds.
-        self._draft_seen: collections.deque[list[float]] = collections.deque(maxlen=DRAFT_SEEN)
+        self._draft_seen = DraftOdds(DRAFT_SEEN)
         # The same for sampled rounds: their costs, and how often a draft at each position
         # is accepted once those before it are.
         self._sample_costs: dict[tuple, RoundCosts] = {}
@@ -1509,7 +1508,7 @@ class FastDecoder:
         # have probability 0), the most recent kept.
         for st in group:
             if _drafted(st.probs):
-                self._draft_seen.append(st.probs.tolist())
+                self._draft_seen.add(st.probs.tolist())
 
     def _lean(self, k: int, n: int, sampled: bool = False) -> bool:
         # Whether this batched round drafts nothing (engine/budget.py: drafting_pays). At a
@@ -1525,17 +1524,22 @@ class FastDecoder:
         if sampled:
             full, lean = self._sample_costs.get((k, n)), self._sample_lean_costs.get((k, n))
             chance = [(h + 1) / (s + 2) for h, s in self._sample_accept][:k]
-            samples = [chance] if chance else []
+
+            def pays_at(cost, lean_seconds):
+                return drafting_pays([chance], n, cost, lean_seconds)
         else:
             full, lean = self._round_costs.get((k, n)), self._lean_costs.get((k, n))
-            samples = [ps[:k] for ps in self._draft_seen]
-        if (full is None or not samples
+            chance = self._draft_seen.sequences
+
+            def pays_at(cost, lean_seconds):
+                return self._draft_seen.pays(n, cost, lean_seconds)
+        if (full is None or not chance
                 or not any(full.known(r) for r in range(n + 1, n * (k + 1) + 1))):
             return False
         lean_seconds = None if lean is None else lean.estimate(n)
         if lean_seconds is None:
             return True
-        pays = drafting_pays(samples, n, full.estimate, lean_seconds)
+        pays = pays_at(full.estimate, lean_seconds)
         return pays if (full.turns + lean.turns) % (4 * EXPLORE) == 0 else not pays
 
     def _drafts_to_verify(self, group: list[Step], k: int) -> list[int]:
