@@ -241,10 +241,11 @@ def test_model_without_head_decodes_plainly(tmp_path):
 
 
 # Trunks whose every layer attends in a way packed steps take: GQA, MLA (DeepSeek-V3 and
-# its kin) and hybrid Gated-DeltaNet (Qwen3-Next / 3.5).
+# its kin), hybrid Gated-DeltaNet (Qwen3-Next / 3.5), sliding windows and sinks (MiMo-V2,
+# Step); not GLM-5's sparse attention (its indexers).
 PACKABLE = {"llama", "llama_tied", "qwen2", "qwen3", "mimo", "glm4_moe", "qwen3_next_dense",
             "qwen3_next_moe", "qwen3_5_vlm", "deepseek_v3", "deepseek_v3_plain_q",
-            "glm4_moe_lite", "kimi_k25"}
+            "glm4_moe_lite", "kimi_k25", "mimo_v2_flash", "step3p7", "step3p5"}
 
 
 def _layer_state(cache) -> list[torch.Tensor]:

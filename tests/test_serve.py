@@ -759,12 +759,12 @@ def test_concurrent_sequences_share_one_trunk_forward(ref, packed, fast, monkeyp
     assert set(teams) == ({1} if not fast else set())  # the fast path runs no such thread
 
 
-@pytest.mark.parametrize("family", ["qwen3_next_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_next_moe", "deepseek_v3", "mimo_v2_flash"])
 def test_hybrid_and_mla_trunks_pack_their_sequences(family, checkpoint_factory, tmp_path):
-    """Hybrid Gated-DeltaNet (Qwen3-Next) and MLA (DeepSeek-V3) trunks serve concurrent
-    sequences in packed forwards too: each keeps the tokens of its single-request run
-    (greedy and seeded sampling, MTP drafts rejected and rolled back in every recurrent
-    layer, prompts in pieces)."""
+    """Hybrid Gated-DeltaNet (Qwen3-Next), MLA (DeepSeek-V3) and sliding-window trunks with
+    sinks (MiMo-V2-Flash) serve concurrent sequences in packed forwards too: each keeps the
+    tokens of its single-request run (greedy and seeded sampling, MTP drafts rejected and
+    rolled back in every recurrent layer, prompts in pieces)."""
     import shutil
 
     import tiny

@@ -25,12 +25,21 @@ def causal_mask(start: int, t: int, device: torch.device) -> torch.Tensor | None
 
 
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       cache: KVCache | None, scale: float, window: int | None = None,
+                       cache: KVCache | PackedCaches | None, scale: float,
+                       window: int | None = None,
                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax attention of q [B, H, T, d] (rotated) over new k / v [B, KV, T, d]
     appended to ``cache``: query t at position p sees keys p-window+1..p (every earlier key
     when window is None); ``sinks`` [H]: one more softmax logit per head that takes
-    probability and adds nothing. -> [B, H, T, dv]."""
+    probability and adds nothing. -> [B, H, T, dv]. With ``PackedCaches`` the rows are
+    several sequences' one after another, each attending over its own cache."""
+    if isinstance(cache, PackedCaches):
+        outs, s = [], 0
+        for c, n in zip(cache.caches, cache.lengths, strict=True):
+            outs.append(windowed_attention(q[:, :, s : s + n], k[:, :, s : s + n],
+                                           v[:, :, s : s + n], c, scale, window, sinks))
+            s += n
+        return torch.cat(outs, 2)
     b, _, t, _ = q.shape
     start, valid = 0, None
     if cache is not None:

@@ -70,9 +70,16 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None) -> TrunkOutput:
         """Run tokens [B, T] at positions cache.length.. through the trunk."""
         start = cache.length if cache is not None else 0
-        cos, sin = self.rotary.cos_sin(self._positions(start, input_ids.shape[1]))
         x = self.model.embed_tokens(input_ids)
-        return self._layers(x, cos, sin, lambda i: cache[i] if cache is not None else None)
+        return self._trunk(x, self._positions(start, input_ids.shape[1]),
+                           lambda i: cache[i] if cache is not None else None)
+
+    def _trunk(self, x, pos, cache_of) -> TrunkOutput:
+        # The decoder layers over embedded rows x [B, T, D] at positions pos [T], layer i
+        # with cache_of(i) (forward, and forward_packed's rows of several sequences). A
+        # family whose layers rotate in more than one way overrides this.
+        cos, sin = self.rotary.cos_sin(pos)
+        return self._layers(x, cos, sin, cache_of)
 
     def _layers(self, x, cos, sin, cache_of) -> TrunkOutput:
         # The decoder layers over x, layer i with cache_of(i), keeping the input states of
@@ -97,8 +104,8 @@ class CausalLM(nn.Module):
         return torch.cat(aux, dim=-1)
 
     def packable(self) -> bool:
-        """Whether ``forward_packed`` can run this trunk: every layer's attention (GQA, MLA
-        or Gated DeltaNet) takes PackedCaches."""
+        """Whether ``forward_packed`` can run this trunk: every layer's attention (GQA, MLA,
+        Gated DeltaNet, windowed or with sinks) takes PackedCaches."""
         # Read off each mixer's own class, not inherited: a subclass that attends in its
         # own way (sparse, sliding-window, sinks) packs only where it says so itself.
         def packs(layer) -> bool:
@@ -120,10 +127,9 @@ class CausalLM(nn.Module):
         lengths = [ids.shape[1] for ids, _ in items]
         positions = torch.cat([self._positions(c.length, n)
                                for (_, c), n in zip(items, lengths, strict=True)])
-        cos, sin = self.rotary.cos_sin(positions)
         x = self.model.embed_tokens(torch.cat([ids for ids, _ in items], dim=1))
-        out = self._layers(x, cos, sin,
-                           lambda i: PackedCaches([c[i] for _, c in items], lengths))
+        out = self._trunk(x, positions,
+                          lambda i: PackedCaches([c[i] for _, c in items], lengths))
         outs, s = [], 0
         for n in lengths:
             outs.append(TrunkOutput(out.hidden[:, s : s + n], out.pre_norm[:, s : s + n],

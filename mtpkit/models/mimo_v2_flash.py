@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..quant.linear import dtype_device
-from .attention import windowed_attention
+from .attention import PackedCaches, windowed_attention
 from .base import CausalLM, TrunkOutput
 from .cache import KVCache
 from .config import ConfigBase, ConfigError, require
@@ -188,6 +188,8 @@ class SinkAttention(nn.Module):
     """GQA with separate q/k and v head widths, scaled values, an optional sliding window and
     optional per-head attention sinks, over a static KV cache."""
 
+    packs = True  # forward takes PackedCaches (windowed_attention; CausalLM.packable)
+
     def __init__(self, hidden: int, s: AttnShape, bias: bool, v_scale: float) -> None:
         super().__init__()
         self.s, self.v_scale = s, v_scale
@@ -203,8 +205,9 @@ class SinkAttention(nn.Module):
         return KVCache(batch, self.s.kv_heads, max_len, self.s.head_dim, dtype, device,
                        v_head_dim=self.s.v_head_dim)
 
-    def forward(self, x, cos, sin, cache: KVCache | None) -> torch.Tensor:
-        """x [B, T, D] at positions cache.length.. -> [B, T, D]."""
+    def forward(self, x, cos, sin, cache: KVCache | PackedCaches | None) -> torch.Tensor:
+        """x [B, T, D] at positions cache.length.. -> [B, T, D] (several sequences' rows with
+        PackedCaches)."""
         s = self.s
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, s.heads, s.head_dim).transpose(1, 2)
@@ -271,15 +274,12 @@ class MiMoV2FlashForCausalLM(CausalLM):
             self.mtp = MTPHead(cfg.hidden_size, spec,
                                lambda i: MiMoV2FlashDecoderLayer(cfg, SLIDING, moe=False))
 
-    def forward(self, input_ids: torch.Tensor, cache=None) -> TrunkOutput:
-        """Run tokens [B, T] at positions cache.length.. through the trunk."""
-        start = cache.length if cache is not None else 0
-        pos = self._positions(start, input_ids.shape[1])
+    def _trunk(self, x, pos, cache_of) -> TrunkOutput:
+        # Each layer rotates by its own kind's rotary.
         tables = {kind: r.cos_sin(pos) for kind, r in self.rotaries.items()}
-        x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             cos, sin = tables[layer.kind]
-            x = layer(x, cos, sin, cache[i] if cache is not None else None)
+            x = layer(x, cos, sin, cache_of(i))
         return TrunkOutput(self.model.norm(x), x)
 
     def map_checkpoint_name(self, name: str) -> str | None:

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quant.linear import dtype_device
-from .attention import windowed_attention
+from .attention import PackedCaches, windowed_attention
 from .base import CausalLM, TrunkOutput
 from .cache import KVCache
 from .config import ConfigBase, ConfigError, require
@@ -298,6 +298,8 @@ class StepMoE(nn.Module):
 class StepAttention(nn.Module):
     """GQA with per-head q/k norms, a sigmoid output gate and an optional sliding window."""
 
+    packs = True  # forward takes PackedCaches (windowed_attention; CausalLM.packable)
+
     def __init__(self, cfg: Step3p7Config, s: StepLayer) -> None:
         super().__init__()
         hd, bias = cfg.head_dim, cfg.attention_bias
@@ -319,8 +321,9 @@ class StepAttention(nn.Module):
         dtype, device = dtype_device(self.k_proj)
         return KVCache(batch, self.kv_heads, max_len, self.head_dim, dtype, device)
 
-    def forward(self, x, cos, sin, cache: KVCache | None) -> torch.Tensor:
-        """x [B, T, D] at positions cache.length.. -> [B, T, D]."""
+    def forward(self, x, cos, sin, cache: KVCache | PackedCaches | None) -> torch.Tensor:
+        """x [B, T, D] at positions cache.length.. -> [B, T, D] (several sequences' rows with
+        PackedCaches)."""
         b, t, _ = x.shape
         hd = self.head_dim
         q = self.q_norm(self.q_proj(x).view(b, t, self.heads, hd)).transpose(1, 2)
@@ -402,19 +405,12 @@ class Step3p7ForCausalLM(CausalLM):
             self.mtp = MTPHead(cfg.hidden_size, spec,
                                lambda i: Step3p7DecoderLayer(cfg, cfg.mtp[i]), cfg.vocab_size)
 
-    def packable(self) -> bool:
-        """Not a plain-GQA trunk: its layers rotate and attend in their own ways."""
-        return False
-
-    def forward(self, input_ids: torch.Tensor, cache=None) -> TrunkOutput:
-        """Run tokens [B, T] at positions cache.length.. through the trunk."""
-        start = cache.length if cache is not None else 0
-        pos = self._positions(start, input_ids.shape[1])
+    def _trunk(self, x, pos, cache_of) -> TrunkOutput:
+        # Each layer rotates by its own rotary (rope_of).
         tables = {key: r.cos_sin(pos) for key, r in self.rotaries.items()}
-        x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             cos, sin = tables[self.rope_of[i]]
-            x = layer(x, cos, sin, cache[i] if cache is not None else None)
+            x = layer(x, cos, sin, cache_of(i))
         return TrunkOutput(self.model.norm(x), x)
 
     def map_checkpoint_name(self, name: str) -> str | None:
