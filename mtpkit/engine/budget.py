@@ -94,8 +94,12 @@ class RoundCosts:
 
     def known(self, rows: int) -> bool:
         """Whether rounds of this many rows have been measured lately."""
+        return rows in self.fresh()
+
+    def fresh(self) -> dict[int, float]:
+        """The costs measured lately: rows -> seconds."""
         self._expire()
-        return rows in self.seconds
+        return self.seconds
 
     def estimate(self, rows: int) -> float | None:
         """Seconds of a round of this many rows: measured, else that of the next larger

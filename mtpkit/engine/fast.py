@@ -1533,8 +1533,7 @@ class FastDecoder:
 
             def pays_at(cost, lean_seconds):
                 return self._draft_seen.pays(n, cost, lean_seconds)
-        if (full is None or not chance
-                or not any(full.known(r) for r in range(n + 1, n * (k + 1) + 1))):
+        if full is None or not chance or not any(n < r <= n * (k + 1) for r in full.fresh()):
             return False
         lean_seconds = None if lean is None else lean.estimate(n)
         if lean_seconds is None:
