@@ -645,6 +645,36 @@ def _scheduler(ref: Reference, stats=None, fast: bool = False, **kw):
     return Scheduler(ref.model, ref.tok, stats=stats, **args)
 
 
+def _served_texts(sched, ref: Reference, prompts: list[str], temps: list[float],
+                  max_tokens: int, seed: int) -> list[str]:
+    """Submit one request a prompt to the scheduler at once (seeded where sampled), wait
+    for all, stop the scheduler -> the text each request streamed."""
+    from mtpkit.serve.scheduler import Request
+
+    done = {i: threading.Event() for i in range(len(prompts))}
+    texts = dict.fromkeys(range(len(prompts)), "")
+
+    def on_event(i):
+        def f(ev):
+            if ev[0] == "text":
+                texts[i] += ev[1]
+            else:
+                done[i].set()
+        return f
+
+    reqs = [Request(str(i), ref.ids(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                        temperature=t, seed=seed), on_event(i))
+            for i, (p, t) in enumerate(zip(prompts, temps, strict=True))]
+    try:
+        for r in reqs:
+            sched.submit(r)
+        for e in done.values():
+            assert e.wait(120)
+    finally:
+        sched.stop()
+    return [texts[i] for i in range(len(prompts))]
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["eager", "fast"])
 def test_long_prefill_is_interleaved_with_running_streams(ref, fast):
     from mtpkit.serve.prometheus import ServeStats
@@ -706,7 +736,7 @@ def test_concurrent_sequences_share_one_trunk_forward(ref, packed, fast, monkeyp
     With the fast path, greedy requests run its programs (a slot's own caches) between the
     sampled request's packed steps, with the same tokens."""
     from mtpkit import threads
-    from mtpkit.serve.scheduler import Request, _Worker
+    from mtpkit.serve.scheduler import _Worker
 
     # Request threads compute alone: no OpenMP team beside the engine thread's (which would
     # make its workers sleep between regions), whatever their steps call.
@@ -725,27 +755,7 @@ def test_concurrent_sequences_share_one_trunk_forward(ref, packed, fast, monkeyp
     sched = _scheduler(ref, packed=packed, fast=fast)
     prompts = ["def f(x):", "import os\n", "a" * 40, "class A:\n    pass\n" * 3, "x"]
     temps = [0.0, 0.0, 0.0, 0.8, 0.0]
-    done = {i: threading.Event() for i in range(len(prompts))}
-    texts = dict.fromkeys(range(len(prompts)), "")
-
-    def on_event(i):
-        def f(ev):
-            if ev[0] == "text":
-                texts[i] += ev[1]
-            else:
-                done[i].set()
-        return f
-
-    reqs = [Request(str(i), ref.ids(p), SamplingParams(max_tokens=24, ignore_eos=True,
-                                                        temperature=t, seed=7), on_event(i))
-            for i, (p, t) in enumerate(zip(prompts, temps, strict=True))]
-    try:
-        for r in reqs:
-            sched.submit(r)
-        for e in done.values():
-            assert e.wait(120)
-    finally:
-        sched.stop()
+    texts = _served_texts(sched, ref, prompts, temps, 24, 7)
     assert sched.packed == packed
     # With the fast path the greedy requests' steps share one trunk pass (the sampled
     # request runs the eager engine alone).
@@ -769,8 +779,6 @@ def test_hybrid_and_mla_trunks_pack_their_sequences(family, checkpoint_factory, 
 
     import tiny
 
-    from mtpkit.serve.scheduler import Request
-
     out = tmp_path / "m"
     shutil.copytree(checkpoint_factory(family), out)
     tiny.write_char_tokenizer(out)
@@ -778,27 +786,7 @@ def test_hybrid_and_mla_trunks_pack_their_sequences(family, checkpoint_factory, 
     sched = _scheduler(fam_ref, packed=True)
     prompts = ["def f(x):", "import os\n", "a" * 40, "x"]
     temps = [0.0, 0.0, 0.8, 0.0]
-    done = {i: threading.Event() for i in range(len(prompts))}
-    texts = dict.fromkeys(range(len(prompts)), "")
-
-    def on_event(i):
-        def f(ev):
-            if ev[0] == "text":
-                texts[i] += ev[1]
-            else:
-                done[i].set()
-        return f
-
-    reqs = [Request(str(i), fam_ref.ids(p), SamplingParams(max_tokens=20, ignore_eos=True,
-                                                            temperature=t, seed=3), on_event(i))
-            for i, (p, t) in enumerate(zip(prompts, temps, strict=True))]
-    try:
-        for r in reqs:
-            sched.submit(r)
-        for e in done.values():
-            assert e.wait(120)
-    finally:
-        sched.stop()
+    texts = _served_texts(sched, fam_ref, prompts, temps, 20, 3)
     assert sched.packed and sched.packed_steps > 10
     drafted = 0
     for i, (p, t) in enumerate(zip(prompts, temps, strict=True)):
