@@ -80,6 +80,7 @@ class RoundCosts:
         self.seconds: dict[int, float] = {}  # rows -> moving average
         self.turns = 0
         self._when: dict[int, float] = {}  # rows -> when last measured
+        self._oldest = math.inf  # no entry was measured before this
         self._max_age_s = max_age_s
         self._clock = clock
 
@@ -89,7 +90,8 @@ class RoundCosts:
         old = self.seconds.get(rows)
         # The machine's speed moves (shared CPUs), so recent rounds weigh most.
         self.seconds[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
-        self._when[rows] = self._clock()
+        self._when[rows] = now = self._clock()
+        self._oldest = min(self._oldest, now)
         self.turns += 1
 
     def known(self, rows: int) -> bool:
@@ -114,9 +116,14 @@ class RoundCosts:
         return None
 
     def _expire(self) -> None:
+        # Every estimate asks (choose_drafts asks one a row count each round): look through
+        # the entries only when the oldest may have expired.
         now = self._clock()
+        if now - self._oldest <= self._max_age_s:
+            return
         for rows in [r for r, t in self._when.items() if now - t > self._max_age_s]:
             del self.seconds[rows], self._when[rows]
+        self._oldest = min(self._when.values(), default=math.inf)
 
 
 def drafting_pays(samples: list[list[float]], n: int, cost: Callable[[int], float | None],

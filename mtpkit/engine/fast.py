@@ -1524,16 +1524,18 @@ class FastDecoder:
         if sampled:
             full, lean = self._sample_costs.get((k, n)), self._sample_lean_costs.get((k, n))
             chance = [(h + 1) / (s + 2) for h, s in self._sample_accept][:k]
+            have_odds = bool(chance)
 
             def pays_at(cost, lean_seconds):
                 return drafting_pays([chance], n, cost, lean_seconds)
         else:
             full, lean = self._round_costs.get((k, n)), self._lean_costs.get((k, n))
-            chance = self._draft_seen.sequences
+            have_odds = self._draft_seen.sequences > 0
 
             def pays_at(cost, lean_seconds):
                 return self._draft_seen.pays(n, cost, lean_seconds)
-        if full is None or not chance or not any(n < r <= n * (k + 1) for r in full.fresh()):
+        if (full is None or not have_odds
+                or not any(n < r <= n * (k + 1) for r in full.fresh())):
             return False
         lean_seconds = None if lean is None else lean.estimate(n)
         if lean_seconds is None:

@@ -34,12 +34,8 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     probability and adds nothing. -> [B, H, T, dv]. With ``PackedCaches`` the rows are
     several sequences' one after another, each attending over its own cache."""
     if isinstance(cache, PackedCaches):
-        outs, s = [], 0
-        for c, n in zip(cache.caches, cache.lengths, strict=True):
-            outs.append(windowed_attention(q[:, :, s : s + n], k[:, :, s : s + n],
-                                           v[:, :, s : s + n], c, scale, window, sinks))
-            s += n
-        return torch.cat(outs, 2)
+        return cache.each(lambda q, k, v, c: windowed_attention(q, k, v, c, scale, window, sinks),
+                          q, k, v, dim=2)
     b, _, t, _ = q.shape
     start, valid = 0, None
     if cache is not None:
@@ -122,12 +118,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v, gate = self.heads(*self.projections(x), cos, sin)
         if isinstance(cache, PackedCaches):
-            outs, s = [], 0
-            for c, n in zip(cache.caches, cache.lengths, strict=True):
-                outs.append(self._attend(q[:, :, s : s + n], k[:, :, s : s + n],
-                                         v[:, :, s : s + n], c))
-                s += n
-            out = torch.cat(outs, dim=2)
+            out = cache.each(self._attend, q, k, v, dim=2)
         else:
             out = self._attend(q, k, v, cache)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
@@ -301,6 +292,13 @@ class PackedCaches:
 
     def __init__(self, caches: list[KVCache], lengths: list[int]) -> None:
         self.caches, self.lengths = caches, lengths
+
+    def each(self, fn, *rows: torch.Tensor, dim: int, out_dim: int | None = None):
+        """fn(its rows of each tensor in ``rows`` (split along ``dim``), its cache) a
+        sequence, the outputs laid end to end again along ``out_dim`` (default ``dim``)."""
+        parts = zip(*(r.split(self.lengths, dim) for r in rows), strict=True)
+        outs = [fn(*p, c) for p, c in zip(parts, self.caches, strict=True)]
+        return torch.cat(outs, dim if out_dim is None else out_dim)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):

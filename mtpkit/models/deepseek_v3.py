@@ -174,13 +174,9 @@ class MLAttention(nn.Module):
         over all their rows and each sequence attends over its own latent cache."""
         _, q_nope, q_rot, c, k_rot = self.project(x, cos, sin)
         if isinstance(cache, PackedCaches):
-            outs, s = [], 0
-            for lc, n in zip(cache.caches, cache.lengths, strict=True):
-                part = slice(s, s + n)
-                outs.append(self.attend(q_nope[:, :, part], q_rot[:, :, part], c[:, :, part],
-                                        k_rot[:, :, part], lc, project=False))
-                s += n
-            return self.o_proj(torch.cat(outs, 1))
+            return self.o_proj(cache.each(
+                lambda qn, qr, cn, kr, lc: self.attend(qn, qr, cn, kr, lc, project=False),
+                q_nope, q_rot, c, k_rot, dim=2, out_dim=1))
         return self.attend(q_nope, q_rot, c, k_rot, cache)
 
     def project(self, x, cos, sin):

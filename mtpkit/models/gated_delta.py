@@ -395,11 +395,7 @@ class GatedDeltaNet(nn.Module):
         bsz, t, _ = x.shape
         qkv, z, b, a = self._project(x)
         if isinstance(cache, PackedCaches):
-            outs, s = [], 0
-            for c, n in zip(cache.caches, cache.lengths, strict=True):
-                outs.append(self._mix(qkv[:, s : s + n], b[:, s : s + n], a[:, s : s + n], c))
-                s += n
-            out = torch.cat(outs, 1)
+            out = cache.each(self._mix, qkv, b, a, dim=1)
         else:
             out = self._mix(qkv, b, a, cache)
         out = self.norm(out.to(x.dtype), z)
