@@ -122,6 +122,46 @@ def test_engine_routes_requests_to_the_fast_path(engine_factory, monkeypatch):
         engine.fast = None
 
 
+def test_short_prompts_run_through_the_pooled_programs(engine_factory, monkeypatch):
+    """A prompt of at most POOL_MAX_ROWS tokens runs through trunk_pool and head_pool (the
+    server's batched programs), each row attending alone: cut into pieces, as a server's
+    prefill chunks cut it, it leaves the same trunk caches and first token, bit for bit
+    (the head's GEMMs may round by row count: its drafts never change the output). A
+    longer prompt runs the eager trunk (SDPA)."""
+    from mtpkit.engine.fast import POOL_MAX_ROWS
+
+    engine = engine_factory("llama")
+    dec = FastDecoder(engine.model, backend="eager", max_len=POOL_MAX_ROWS + 64)
+    assert dec.pools_prompts
+    calls: list[str] = []
+    program = dec.program
+    monkeypatch.setattr(dec, "program", lambda kind, *a: calls.append(kind) or program(kind, *a))
+
+    def prefill(prompt, chunk):
+        calls.clear()
+        gen = dec._prefill(prompt, 2, chunk)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as done:
+                n = len(prompt)
+                caches = [c[..., :n, :].clone() for c in [*dec.kc, *dec.vc]]
+                return done.value, caches, [c[..., :n, :].clone() for c in (dec.hk, dec.hv)]
+
+    prompt = [(7 * i) % 50 + 3 for i in range(40)]
+    (first, _, ps), caches, heads = prefill(prompt, None)
+    assert calls == ["trunk_pool", "head_pool"]
+    (first2, _, ps2), caches2, heads2 = prefill(prompt, 7)
+    assert calls == ["trunk_pool"] * 6 + ["head_pool"] * 6
+    assert torch.equal(first, first2)
+    assert all(torch.equal(a, b) for a, b in zip(caches, caches2, strict=True))
+    torch.testing.assert_close(ps, ps2)
+    for a, b in zip(heads, heads2, strict=True):
+        torch.testing.assert_close(a, b)
+    prefill([(7 * i) % 50 + 3 for i in range(POOL_MAX_ROWS + 1)], None)
+    assert not calls
+
+
 def test_inductor_compiles_once(engine_factory):
     """torch.compile builds the programs up front; generations with any accept length,
     prompt length or cache span never compile again, and match the eager engine."""
@@ -186,23 +226,27 @@ def test_aoti_programs_are_cached(engine_factory, tmp_path, monkeypatch):
                         cache_dir=tmp_path)
     want = [_eager(engine, p, 2)[0] for p in PROMPTS]
     assert [_fast(first, p, 2)[0] for p in PROMPTS] == want
-    assert (first.stats.compiled, first.stats.loaded) == (1, 0)
-    (program,) = tmp_path.glob("*.pt2")
-    os.utime(program, (1, 1))
+    # the round program, and the pooled ones that run short prompts
+    assert (first.stats.compiled, first.stats.loaded) == (3, 0)
+    programs = sorted(tmp_path.glob("*.pt2"))
+    assert len(programs) == 3
+    for program in programs:
+        os.utime(program, (1, 1))
     second = FastDecoder(engine.model, backend="aoti", mode="default", max_len=128,
                          cache_dir=tmp_path)
     assert [_fast(second, p, 2)[0] for p in PROMPTS] == want
-    assert (second.stats.compiled, second.stats.loaded) == (0, 1)
-    assert program.stat().st_mtime > 1  # loading marks it used, for the cache cap
+    assert (second.stats.compiled, second.stats.loaded) == (0, 3)
+    # loading marks them used, for the cache cap
+    assert all(program.stat().st_mtime > 1 for program in programs)
     # Other weights never reuse a program built for these; with a cap too small for two,
     # building theirs removes the program used least recently (not the one just built).
     monkeypatch.setenv("MTPKIT_COMPILE_CACHE_GB", "1e-9")
     other = engine_factory("qwen3")
     third = FastDecoder(other.model, backend="aoti", mode="default", max_len=128,
                         cache_dir=tmp_path)
-    third.warmup(2)
+    third.program("round", 3, 2)
     assert third.stats.compiled == 1
-    assert not program.exists() and len(list(tmp_path.glob("*.pt2"))) == 1
+    assert not any(p.exists() for p in programs) and len(list(tmp_path.glob("*.pt2"))) == 1
 
 
 @pytest.fixture(scope="module")
@@ -531,8 +575,11 @@ def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path,
         assert _fast(dec, prompt, 0)[0] == want
         assert _fast(dec, prompt, 1)[0] == want
     packages = sorted(tmp_path.glob("*.pt2"))
-    assert len(packages) == 2  # decode, round at k = 1
-    for package in packages:
+    # decode, round at k = 1, and where the trunk pools, the pooled programs that run
+    # short prompts (trunk_pool, head_pool)
+    steps = [p for p in packages if p.name.startswith(("decode-", "round-"))]
+    assert len(steps) == 2 and len(packages) == (2 if gemm == "w8a8_trunk_kv" else 4)
+    for package in steps:
         with zipfile.ZipFile(package) as z:
             wrapper = "".join(z.read(n).decode() for n in z.namelist()
                               if n.endswith(".wrapper.cpp"))

@@ -849,6 +849,13 @@ class FastDecoder:
         return (self.programs.batchable and not self.programs.stacked_caches
                 and row_kernel_fits(self.kc[0], self.kc[0]))
 
+    @property
+    def pools_prompts(self) -> bool:
+        """Whether prompts of at most POOL_MAX_ROWS tokens run through the pooled programs
+        (_prefill): where the decoder pools, except torch.compile in process (--compile
+        inductor), which does not build them; it keeps SDPA prompts, as the eager engine."""
+        return self.poolable and self.backend != "inductor"
+
     def make_pool(self, n: int) -> bool:
         """Allocate caches for n forks as slots of one tensor a layer (fork(slot)), so
         that a batched step of any of them is one program call (run_many); False (and
@@ -1120,6 +1127,10 @@ class FastDecoder:
                 self.program("decode")
             else:
                 self.program("round", t, k)
+        if self.pools_prompts:  # short prompts run through them (_prefill)
+            self.program("trunk_pool")
+            if k and not self.model.mtp.spec.zero_first_embedding:
+                self.program("head_pool")
         return time.perf_counter() - t0
 
     def warmup_for(self, params: SamplingParams | None, k: int) -> float:
@@ -1171,27 +1182,48 @@ class FastDecoder:
         chunk = chunk or n
         pieces = [(s, min(n, s + chunk)) for s in range(0, n, chunk)]
         spec = self.model.mtp.spec if k else None
+        # A prompt of at most POOL_MAX_ROWS tokens runs through the pooled programs (the
+        # server's batched steps), compiled where they are built: a short prompt's eager pass
+        # spent more time dispatching ops than computing. Its rows then attend one at a time
+        # (the row kernel), so its bits do not depend on how it is cut into pieces; which
+        # way a prompt goes depends on its length alone, the same in every fast path (CLI
+        # and server). Longer prompts keep torch's SDPA, the faster there.
+        pooled = self.pools_prompts and n <= POOL_MAX_ROWS
+        if pooled:
+            pools, slot = self._pools_of(self.slot, self.kc, self.vc, self.hk, self.hv)
         keep = []  # the states the head catch-up reads, piece by piece
         for i, (s, e) in enumerate(pieces):
             if i:
                 yield
+            if pooled:
+                _, hidden, logits = self.program("trunk_pool")(
+                    ids[:, s:e], pos[s:e], slot, torch.tensor([e - s], device=dev), *pools[:2])
+                keep.append(hidden)
+                continue
             # Attend over the slots in use, not the whole buffer: a short prompt against a
             # long cache would spend most of its time on masked keys.
             post, pre = pr.trunk(ids[:, s:e], pos[s:e], self.kc, self.vc, self.span(e))
             if spec is not None:
                 keep.append(post if spec.trunk_hidden == "post_norm" else pre)
-        last = pr.model.logits(post[:, -1])
+        last = logits[-1:] if pooled else pr.model.logits(post[:, -1])
         first = last.argmax(-1) if sampler is None else sampler.pick(last[0])
         if not k:
             return first, (None if sampler is None else drafts_none(dev)), None
         hidden = torch.cat(keep, 1)
         head_ids = torch.cat([ids[:, 1:], first[None]], 1)
+        # (head_pool has no zeroed first embedding: such heads catch up eagerly)
+        head_pooled = pooled and not spec.zero_first_embedding
         for s, e in pieces:
             if len(pieces) > 1:
                 yield
+            if head_pooled:
+                hpost, state = self.program("head_pool")(
+                    head_ids[:, s:e], hidden[:, s:e], pos[s:e], slot,
+                    torch.tensor([e - s], device=dev), *pools[2:])
+                continue
             hpost, hpre = pr.head(head_ids[:, s:e], hidden[:, s:e], pos[s:e], self.hk, self.hv,
                                   self.span(e), zero_first=spec.zero_first_embedding and s == 0)
-        state = hpost if spec.chain_hidden == "post_norm" else hpre
+            state = hpost if spec.chain_hidden == "post_norm" else hpre
         at = torch.tensor([n], device=dev)
         if sampler is not None:
             if not sampler.draws(k):
