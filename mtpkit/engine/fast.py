@@ -856,6 +856,13 @@ class FastDecoder:
         inductor), which does not build them; it keeps SDPA prompts, as the eager engine."""
         return self.poolable and self.backend != "inductor"
 
+    @property
+    def pools_prompt_heads(self) -> bool:
+        """Whether the head catches up on such prompts through head_pool too (which has no
+        zeroed first embedding: heads that zero it catch up eagerly)."""
+        return (self.pools_prompts and self.has_mtp
+                and not self.model.mtp.spec.zero_first_embedding)
+
     def make_pool(self, n: int) -> bool:
         """Allocate caches for n forks as slots of one tensor a layer (fork(slot)), so
         that a batched step of any of them is one program call (run_many); False (and
@@ -1129,7 +1136,7 @@ class FastDecoder:
                 self.program("round", t, k)
         if self.pools_prompts:  # short prompts run through them (_prefill)
             self.program("trunk_pool")
-            if k and not self.model.mtp.spec.zero_first_embedding:
+            if k and self.pools_prompt_heads:
                 self.program("head_pool")
         return time.perf_counter() - t0
 
@@ -1189,15 +1196,14 @@ class FastDecoder:
         # way a prompt goes depends on its length alone, the same in every fast path (CLI
         # and server). Longer prompts keep torch's SDPA, the faster there.
         pooled = self.pools_prompts and n <= POOL_MAX_ROWS
-        if pooled:
-            pools, slot = self._pools_of(self.slot, self.kc, self.vc, self.hk, self.hv)
+        pools, slots = self._pools_of(self.slot, self.kc, self.vc, self.hk, self.hv)
         keep = []  # the states the head catch-up reads, piece by piece
         for i, (s, e) in enumerate(pieces):
             if i:
                 yield
             if pooled:
                 _, hidden, logits = self.program("trunk_pool")(
-                    ids[:, s:e], pos[s:e], slot, torch.tensor([e - s], device=dev), *pools[:2])
+                    ids[:, s:e], pos[s:e], slots, torch.tensor([e - s], device=dev), *pools[:2])
                 keep.append(hidden)
                 continue
             # Attend over the slots in use, not the whole buffer: a short prompt against a
@@ -1211,14 +1217,13 @@ class FastDecoder:
             return first, (None if sampler is None else drafts_none(dev)), None
         hidden = torch.cat(keep, 1)
         head_ids = torch.cat([ids[:, 1:], first[None]], 1)
-        # (head_pool has no zeroed first embedding: such heads catch up eagerly)
-        head_pooled = pooled and not spec.zero_first_embedding
+        head_pooled = pooled and self.pools_prompt_heads
         for s, e in pieces:
             if len(pieces) > 1:
                 yield
             if head_pooled:
                 hpost, state = self.program("head_pool")(
-                    head_ids[:, s:e], hidden[:, s:e], pos[s:e], slot,
+                    head_ids[:, s:e], hidden[:, s:e], pos[s:e], slots,
                     torch.tensor([e - s], device=dev), *pools[2:])
                 continue
             hpost, hpre = pr.head(head_ids[:, s:e], hidden[:, s:e], pos[s:e], self.hk, self.hv,
@@ -1228,7 +1233,6 @@ class FastDecoder:
         if sampler is not None:
             if not sampler.draws(k):
                 return first, drafts_none(dev), None
-            pools, slots = self._pools_of(self.slot, self.kc, self.vc, self.hk, self.hv)
             drafts, qs = self._draw_chain([sampler], hpost[0, -1:], state[0, -1:], at, k,
                                           slots, pools[2:])
             return first, drafts[0], qs[0]
