@@ -124,18 +124,27 @@ def test_engine_routes_requests_to_the_fast_path(engine_factory, monkeypatch):
 
 def test_short_prompts_run_through_the_pooled_programs(engine_factory, monkeypatch):
     """A prompt of at most POOL_MAX_ROWS tokens runs through trunk_pool and head_pool (the
-    server's batched programs), each row attending alone: cut into pieces, as a server's
-    prefill chunks cut it, it leaves the same trunk caches and first token, bit for bit
-    (the head's GEMMs may round by row count: its drafts never change the output). A
-    longer prompt runs the eager trunk (SDPA)."""
+    server's batched programs), each row attending alone, logits for its last row alone:
+    cut into pieces, as a server's prefill chunks cut it, it leaves the same trunk caches
+    and first token, bit for bit (the head's GEMMs may round by row count: its drafts never
+    change the output). A longer prompt runs the eager trunk (SDPA)."""
     from mtpkit.engine.fast import POOL_MAX_ROWS
 
     engine = engine_factory("llama")
     dec = FastDecoder(engine.model, backend="eager", max_len=POOL_MAX_ROWS + 64)
     assert dec.pools_prompts
     calls: list[str] = []
+    logit_rows: list[int] = []  # rows a prompt piece's trunk_pool call computes logits of
     program = dec.program
-    monkeypatch.setattr(dec, "program", lambda kind, *a: calls.append(kind) or program(kind, *a))
+
+    def spy(kind, *a):
+        fn = program(kind, *a)
+        calls.append(kind)
+        if kind != "trunk_pool":
+            return fn
+        return lambda *args: logit_rows.append(len(args[-1])) or fn(*args)
+
+    monkeypatch.setattr(dec, "program", spy)
 
     def prefill(prompt, chunk):
         calls.clear()
@@ -153,6 +162,7 @@ def test_short_prompts_run_through_the_pooled_programs(engine_factory, monkeypat
     assert calls == ["trunk_pool", "head_pool"]
     (first2, _, ps2), caches2, heads2 = prefill(prompt, 7)
     assert calls == ["trunk_pool"] * 6 + ["head_pool"] * 6
+    assert logit_rows == [1] * 7  # the last row's alone: the lm_head is a prompt row's dearest
     assert torch.equal(first, first2)
     assert all(torch.equal(a, b) for a, b in zip(caches, caches2, strict=True))
     torch.testing.assert_close(ps, ps2)

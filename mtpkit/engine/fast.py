@@ -456,18 +456,20 @@ class Programs(nn.Module):
         return m.model.norm(x), x
 
     @every_row_exact()
-    def trunk_pool(self, ids, pos, slots, sizes, kpools, vpools):
+    def trunk_pool(self, ids, pos, slots, sizes, kpools, vpools, out):
         """trunk_rows over pooled caches: rows ids [1, N] at pos [N], sizes[b] of them
         sequence b's, whose caches are slot slots[b] of every layer's pools [S, Hkv, L, hd]
-        -> (the target's argmax a row [N], the state the head reads [1, N, D], the logits
-        [N, V] sampled requests draw from). No shape depends on the batch, so one compiled
-        program takes them all."""
+        -> (the target's argmax [M] and logits [M, V] of the rows out [M], the state the
+        head reads [1, N, D]) as (argmax, state, logits). No shape depends on the batch, so
+        one compiled program takes them all."""
         x = self.model.model.embed_tokens(ids)
         post, pre = self._layers_over(x, pos, lambda i, attn, qkv, cos, sin: attn.attend_pool(
             qkv, cos, sin, kpools[i], vpools[i], slots, sizes, pos))
         spec = self.model.mtp.spec if self.model.mtp is not None else None
         hidden = pre if spec is not None and spec.trunk_hidden != "post_norm" else post
-        logits = self.logits(post[0])
+        # A step needs every row's logits, a prompt only its last row's: the lm_head costs a
+        # small model's prompt row about as much as its layers do.
+        logits = self.logits(post[0].index_select(0, out))
         return argmax_rows(logits), hidden, logits
 
     @every_row_exact()
@@ -910,7 +912,10 @@ class FastDecoder:
             rows = (z.new_zeros(1, 3), torch.arange(3, device=dev),
                     torch.tensor([3, 1], device=dev), torch.tensor([2, 1], device=dev))
             if kind == "trunk_pool":
-                return (*rows, kpools, vpools)
+                # Five rows (three and two) of which four give logits: every size distinct.
+                return (z.new_zeros(1, 5), torch.arange(5, device=dev),
+                        torch.tensor([3, 1], device=dev), torch.tensor([3, 2], device=dev),
+                        kpools, vpools, torch.tensor([0, 2, 3, 4], device=dev))
             state = torch.zeros(1, 3, self.model.config.hidden_size, device=dev,
                                 dtype=self.kc[0].dtype)
             return (rows[0], state, *rows[1:], hk, hv)
@@ -935,9 +940,10 @@ class FastDecoder:
             sl = torch.export.Dim("slots", min=1, max=4096)
             if kind == "head_pool":  # ids, states, pos, slots, sizes, hk, hv
                 return {"args": ({1: n}, {1: n}, {0: n}, {0: b}, {0: b}, {0: sl}, {0: sl})}
-            layers = len(example[4])  # ids, pos, slots, sizes, kpools, vpools
+            layers = len(example[4])  # ids, pos, slots, sizes, kpools, vpools, out
+            m = torch.export.Dim("out", min=1, max=POOL_MAX_ROWS)
             return {"args": ({1: n}, {0: n}, {0: b}, {0: b}, [{0: sl}] * layers,
-                             [{0: sl}] * layers)}
+                             [{0: sl}] * layers, {0: m})}
         # Everything static but the span's length, a multiple of SPAN_STEP.
         blocks = torch.export.Dim("span_blocks", min=2, max=self.max_len // SPAN_STEP)
         spec = []
@@ -1203,7 +1209,8 @@ class FastDecoder:
                 yield
             if pooled:
                 _, hidden, logits = self.program("trunk_pool")(
-                    ids[:, s:e], pos[s:e], slots, torch.tensor([e - s], device=dev), *pools[:2])
+                    ids[:, s:e], pos[s:e], slots, torch.tensor([e - s], device=dev), *pools[:2],
+                    torch.tensor([e - s - 1], device=dev))
                 keep.append(hidden)
                 continue
             # Attend over the slots in use, not the whole buffer: a short prompt against a
@@ -1211,7 +1218,7 @@ class FastDecoder:
             post, pre = pr.trunk(ids[:, s:e], pos[s:e], self.kc, self.vc, self.span(e))
             if spec is not None:
                 keep.append(post if spec.trunk_hidden == "post_norm" else pre)
-        last = logits[-1:] if pooled else pr.model.logits(post[:, -1])
+        last = logits if pooled else pr.model.logits(post[:, -1])
         first = last.argmax(-1) if sampler is None else sampler.pick(last[0])
         if not k:
             return first, (None if sampler is None else drafts_none(dev)), None
@@ -1364,8 +1371,9 @@ class FastDecoder:
         pos = torch.cat([a[1] for a in args])
         slots = torch.tensor([st.slot for st in group], device=self.device)
         kpools, vpools, _, _ = self._pool
+        every = torch.arange(len(group), device=self.device)
         targets, _, _ = self.program("trunk_pool")(ids, pos, slots, torch.ones_like(slots),
-                                                   kpools, vpools)
+                                                   kpools, vpools, every)
         return list(targets.split(1))
 
     def _pooled_passes(self, group: list[Step]) -> dict:
@@ -1383,7 +1391,8 @@ class FastDecoder:
             sizes, st = sizes_of(seqs)
             targets, hidden, _ = trunk_fn(torch.cat([ids for ids, *_ in seqs], 1),
                                           torch.cat([pos for _, pos, *_ in seqs]), slots, st,
-                                          kpools, vpools)
+                                          kpools, vpools,
+                                          torch.arange(sum(sizes), device=self.device))
             return targets, list(hidden.split(sizes, 1))
 
         def head(seqs):
@@ -1423,7 +1432,8 @@ class FastDecoder:
         pos0 = [st.args[1] for st in group]
         pos = torch.cat([p + torch.arange(n, device=dev) for p, n in zip(pos0, sizes, strict=True)])
         _, hidden, logits = self.program("trunk_pool")(
-            torch.cat(tokens, 1), pos, slots, torch.tensor(sizes, device=dev), kpools, vpools)
+            torch.cat(tokens, 1), pos, slots, torch.tensor(sizes, device=dev), kpools, vpools,
+            torch.arange(len(pos), device=dev))
         emitted = []
         chance = self._sample_accept
         for st, rows, tok in zip(group, logits.split(sizes), tokens, strict=True):
