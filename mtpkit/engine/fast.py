@@ -468,7 +468,7 @@ class Programs(nn.Module):
         spec = self.model.mtp.spec if self.model.mtp is not None else None
         hidden = pre if spec is not None and spec.trunk_hidden != "post_norm" else post
         # A step needs every row's logits, a prompt only its last row's: the lm_head costs a
-        # small model's prompt row about as much as its layers do.
+        # small model's prompt row about a fifth of what its layers do.
         logits = self.logits(post[0].index_select(0, out))
         return argmax_rows(logits), hidden, logits
 
@@ -1185,7 +1185,7 @@ class FastDecoder:
 
     def _prefill(self, prompt_ids: list[int], k: int, chunk: int | None = None,
                  sampler: _Sampler | None = None):
-        """Run the prompt (eagerly, any length), ``chunk`` positions at a time, yielding
+        """Run the prompt (any length), ``chunk`` positions at a time, yielding
         between pieces; returns the first token [1] and, with k, the first drafts and
         their probabilities (greedy: of each draft [k]; ``sampler``: the distributions the
         drafts were drawn from [k, V])."""
