@@ -1043,6 +1043,37 @@ def test_programs_are_keyed_by_their_own_family_sources_only(engine_factory):
                 assert c.__module__.rsplit(".", 1)[-1] + ".py" in names, c
 
 
+def test_program_keys_ignore_comments_not_code(engine_factory, tmp_path, monkeypatch):
+    """Editing a comment or the layout of a traced file keeps the programs' key (a rebuild
+    costs every user minutes); editing code, or a string, changes it."""
+    from mtpkit.engine import fast
+
+    engine = engine_factory("llama")
+    files = []
+    for f in fast.traced_sources(engine.model):
+        files.append(tmp_path / f.name)
+        files[-1].write_text(f.read_text())
+    monkeypatch.setattr(fast, "traced_sources", lambda model: files)
+
+    def key():
+        return fast._source_digest(engine.model)
+
+    def edit(old, new):
+        text = files[0].read_text()
+        assert old in text
+        files[0].write_text(text.replace(old, new, 1))
+
+    base = key()
+    edit("\nimport ", "\n# a new comment\n\n\nimport ")
+    edit("import hashlib\n", "import hashlib  # and a trailing one\n")
+    assert key() == base
+    edit("SPAN_STEP = ", "SPAN_STEP = 1 + ")
+    changed = key()
+    assert changed != base
+    edit("\"\"\"", "\"\"\"A docstring edit. ")
+    assert key() != changed
+
+
 def test_placeholder_drafts_are_not_counted_as_drafts(engine_factory):
     """A lean round leaves placeholder drafts (probability 0); the lone round program after
     it verifies them anyway, and they must not count as drafts in the metrics (the

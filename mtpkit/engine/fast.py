@@ -45,6 +45,7 @@ engine's tokens. Decoders whose steps do not pool leave sampling to the eager en
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import hashlib
 import json
@@ -657,8 +658,26 @@ def _source_digest(model) -> str:
     h = hashlib.sha256(kernel_source_digest().encode())
     for f in traced_sources(model):
         h.update(f.name.encode())
-        h.update(f.read_bytes())
+        h.update(_code_of(f))
     return h.hexdigest()
+
+
+def _code_of(path: Path) -> bytes:
+    # A Python file's syntax tree without comments and layout, which change nothing a
+    # program runs: an edit to a comment must not cost every user a rebuild (minutes).
+    # Strings, docstrings included, stay in it. A file that does not parse is taken whole.
+    return _parsed_code(path.read_bytes())
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_code(src: bytes) -> bytes:
+    # Parsed once per version of a file (a program load asks for every traced file).
+    import ast
+
+    try:
+        return hashlib.sha256(ast.dump(ast.parse(src)).encode()).digest()
+    except (SyntaxError, ValueError):
+        return src
 
 
 def _build_key(fingerprint: str, kind: str, shapes: str, k: int, mode: str,
