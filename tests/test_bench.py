@@ -328,6 +328,44 @@ def test_serve_waits_for_a_loading_server(tmp_path, capsys):
     assert [lv["completed"] for lv in res["levels"]] == [4, 4]
 
 
+def test_serve_with_a_peer_runs_levels_in_turn(tmp_path, capsys, monkeypatch):
+    """--url with --llama-server: every level on both servers before the next level, the
+    order reversed level by level (a drift in the machine's speed falls on both alike);
+    each server's record holds all its levels in order."""
+    import contextlib
+
+    from mtpkit.bench import peers
+
+    order = []
+    with Stub() as ours, Stub() as peer:
+        for stub, name in ((ours, "ours"), (peer, "peer")):
+            seen = stub.stream
+
+            async def stream(fail, chat=True, seen=seen, name=name):
+                order.append(name)
+                async for piece in seen(fail, chat):
+                    yield piece
+
+            stub.stream = stream
+
+        @contextlib.contextmanager
+        def fake_llama_server(binary, gguf, slots, threads=None):
+            assert slots == 3  # one slot per request of the highest concurrency
+            yield peer.url
+
+        monkeypatch.setattr(peers, "llama_server", fake_llama_server)
+        code, out, err, res = _serve(capsys, tmp_path, ours, "--endpoint", "completions",
+                                     "--llama-server", "llama-server", levels="1,2,3", n=2)
+    assert code == 0, err
+    runs = [name for i, name in enumerate(order) if i % 2 == 0]  # two requests a level
+    assert runs == ["ours", "peer", "peer", "ours", "ours", "peer"]
+    assert [r["url"] for r in res] == [ours.url, peer.url]
+    for r in res:
+        assert [lv["concurrency"] for lv in r["levels"]] == [1, 2, 3]
+        assert all(lv["completed"] == 2 for lv in r["levels"])
+    assert err.count(f"{peer.url} concurrency") == 3
+
+
 def test_serve_error_event_mid_stream_is_a_failure(tmp_path, capsys):
     with Stub(fail_every=2, usage=False, metrics=False) as stub:
         code, out, err, res = _serve(capsys, tmp_path, stub, "--model", "stub-model",

@@ -84,7 +84,8 @@ def add_parser(sub) -> None:
     s.add_argument("--llama-server", metavar="PATH",
                    help="also (or instead of --url) start llama.cpp's llama-server binary with "
                         "--gguf, one slot per request of the highest concurrency, measure it "
-                        "the same way, and stop it")
+                        "the same way (with --url: each level on both servers in turn), and "
+                        "stop it")
     s.add_argument("--gguf", help="the model llama-server serves (default: the built-in "
                                   "model's packaged Q4_1 GGUF)")
     s.add_argument("--llama-threads", type=int, default=None,
@@ -561,30 +562,42 @@ def cmd_serve(a) -> int:
         raise ValueError(f"--timeout must be > 0, got {a.timeout}")
     if not a.url and not a.llama_server:
         raise ValueError("give the server to measure: --url URL, or --llama-server PATH to "
-                         "start llama.cpp's server (or both, measured one after the other)")
+                         "start llama.cpp's server (or both, measured level by level in turn)")
     prompts = load_prompts(a.dataset)
 
-    def progress(level: dict) -> None:
-        print(f"concurrency {level['concurrency']}: {level['completed']}/{level['requests']} "
-              f"ok in {level['duration_s']:.1f} s", file=sys.stderr)
+    def progress(url: str, level: dict) -> None:
+        print(f"{url} concurrency {level['concurrency']}: {level['completed']}/"
+              f"{level['requests']} ok in {level['duration_s']:.1f} s", file=sys.stderr)
 
-    def measure(url: str, model: str | None) -> dict:
-        bench = ServeBench(url, model, prompts, a.max_tokens, endpoint=a.endpoint,
-                           api_key=a.api_key, timeout_s=a.timeout, temperature=a.temperature,
-                           ignore_eos=a.ignore_eos)
-        result = asyncio.run(bench.run(levels, a.num_prompts, on_level=progress))
-        result["environment"] = _environment()
-        result["dataset"] = a.dataset
-        return result
+    def measure(servers: list[tuple[str, str | None]]) -> list[dict]:
+        # Each level on every server before the next level, the order reversed from one
+        # level to the next (A B, B A, A B, ...): the machine's speed drifts over a run
+        # (shared CPUs), and servers measured one after the other would each get a
+        # different stretch of it.
+        benches = [ServeBench(url, model, prompts, a.max_tokens, endpoint=a.endpoint,
+                              api_key=a.api_key, timeout_s=a.timeout,
+                              temperature=a.temperature, ignore_eos=a.ignore_eos)
+                   for url, model in servers]
+        results: list[dict | None] = [None] * len(benches)
+        for i, c in enumerate(levels):
+            order = range(len(benches)) if i % 2 == 0 else reversed(range(len(benches)))
+            for b in order:
+                got = asyncio.run(benches[b].run(
+                    [c], a.num_prompts, on_level=lambda lv, b=b: progress(benches[b].root, lv)))
+                if results[b] is None:
+                    results[b] = {**got, "environment": _environment(), "dataset": a.dataset}
+                else:
+                    results[b]["levels"] += got["levels"]
+        return results
 
-    results = []
-    if a.url:
-        results.append(measure(a.url, a.model))
+    servers = [(a.url, a.model)] if a.url else []
     if a.llama_server:
         from .peers import llama_server
 
         with llama_server(a.llama_server, a.gguf, max(levels), a.llama_threads) as url:
-            results.append(measure(url, None))
+            results = measure([*servers, (url, None)])
+    else:
+        results = measure(servers)
     if a.save:
         write_json(Path(a.save), results[0] if len(results) == 1 else results)
     summaries = [{**r, "levels": [{k: v for k, v in lv.items() if k != "records"}

@@ -150,6 +150,7 @@ class ServeBench:
         self.endpoint, self.timeout_s = endpoint, timeout_s
         self.temperature, self.ignore_eos = temperature, ignore_eos
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._ready = False  # waited for and its model resolved (run)
 
     # -- server discovery ---------------------------------------------------------------
     async def resolve_model(self, client) -> str:
@@ -317,8 +318,10 @@ class ServeBench:
         limits = httpx.Limits(max_connections=max(concurrencies) + 2,
                               max_keepalive_connections=max(concurrencies) + 2)
         async with httpx.AsyncClient(limits=limits, timeout=self.timeout_s) as client:
-            await self.wait_ready(client)
-            self.model = await self.resolve_model(client)
+            if not self._ready:  # once: a peer's levels come in turn with this one's
+                await self.wait_ready(client)
+                self.model = await self.resolve_model(client)
+                self._ready = True
             levels = []
             for c in concurrencies:
                 levels.append(await self.level(client, c, num_prompts))
