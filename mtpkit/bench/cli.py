@@ -578,17 +578,14 @@ def cmd_serve(a) -> int:
                               api_key=a.api_key, timeout_s=a.timeout,
                               temperature=a.temperature, ignore_eos=a.ignore_eos)
                    for url, model in servers]
-        results: list[dict | None] = [None] * len(benches)
+        runs: list[list[dict]] = [[] for _ in benches]  # a server's one-level runs
         for i, c in enumerate(levels):
             order = range(len(benches)) if i % 2 == 0 else reversed(range(len(benches)))
             for b in order:
-                got = asyncio.run(benches[b].run(
-                    [c], a.num_prompts, on_level=lambda lv, b=b: progress(benches[b].root, lv)))
-                if results[b] is None:
-                    results[b] = {**got, "environment": _environment(), "dataset": a.dataset}
-                else:
-                    results[b]["levels"] += got["levels"]
-        return results
+                runs[b].append(asyncio.run(benches[b].run(
+                    [c], a.num_prompts, on_level=lambda lv, b=b: progress(benches[b].root, lv))))
+        return [{**got[0], "levels": [lv for run in got for lv in run["levels"]],
+                 "environment": _environment(), "dataset": a.dataset} for got in runs]
 
     servers = [(a.url, a.model)] if a.url else []
     if a.llama_server:

@@ -658,20 +658,16 @@ def _source_digest(model) -> str:
     h = hashlib.sha256(kernel_source_digest().encode())
     for f in traced_sources(model):
         h.update(f.name.encode())
-        h.update(_code_of(f))
+        h.update(_code_of(f.read_bytes()))
     return h.hexdigest()
 
 
-def _code_of(path: Path) -> bytes:
+@functools.lru_cache(maxsize=64)
+def _code_of(src: bytes) -> bytes:
     # A Python file's syntax tree without comments and layout, which change nothing a
     # program runs: an edit to a comment must not cost every user a rebuild (minutes).
     # Strings, docstrings included, stay in it. A file that does not parse is taken whole.
-    return _parsed_code(path.read_bytes())
-
-
-@functools.lru_cache(maxsize=64)
-def _parsed_code(src: bytes) -> bytes:
-    # Parsed once per version of a file (a program load asks for every traced file).
+    # Cached by content: a program load asks for every traced file.
     import ast
 
     try:
