@@ -95,6 +95,25 @@ def serve(ref, packed: bool, c: int, k: int) -> float:
     return tokens[0] / (time.perf_counter() - t0)
 
 
+def _in_own_thread(fn):
+    """fn() run on a thread of its own, which then ends; its result or its exception."""
+    out: list = []
+
+    def run():
+        try:
+            out.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - raised again in the calling thread
+            out.append((False, e))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 def main(kind: str, c: int, k: int, reps: int) -> None:
     """Print packed and in-turns tok/s, alternating."""
     import tiny
@@ -104,8 +123,12 @@ def main(kind: str, c: int, k: int, reps: int) -> None:
     threads.configure(torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / kind
-        build(kind, out)
-        ref = tiny.Reference(out)
+        # Built and loaded in a thread that then ends, and the main thread computing alone
+        # (as the server's request threads do): libgomp keeps a thread team for every
+        # thread that ran parallel work while it lives, and a second team beside the
+        # scheduler's makes its workers sleep between parallel regions (mtpkit/threads.py).
+        ref = _in_own_thread(lambda: (build(kind, out), tiny.Reference(out))[1])
+        threads.compute_alone()
         n_params = sum(p.numel() for p in ref.model.parameters()) / 1e6
         print(f"{kind}: {n_params:.0f}M parameters, c={c}, k={k}", flush=True)
         serve(ref, True, c, k)  # warm
