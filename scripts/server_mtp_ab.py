@@ -46,9 +46,8 @@ def main(c: int = 4, passes: int = 8, requests: int = 32) -> None:
     # Loaded, and the scheduler made, in a thread that then ends, as the server does:
     # libgomp keeps a thread team for every thread that ran parallel work while that thread
     # lives, and with a second team beside the scheduler's its workers sleep between
-    # parallel regions (mtpkit/threads.py), which made a one-row trunk_pool call 2.5x slower
-    # here. The main thread submits requests, computing alone as the server's request
-    # threads do.
+    # parallel regions (mtpkit/threads.py), which slows every step. The main thread submits
+    # requests, computing alone as the server's request threads do.
     t = threading.Thread(target=load)
     t.start()
     t.join()
