@@ -117,12 +117,13 @@ def test_hand_int8_kernel_is_exact_and_row_independent(n, k, op):
 
 
 @pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's int8 kernel does not build here")
-@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23), (2000, 40)])
+@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (9, 23), (2000, 40), (21, 2100)])
 def test_int8_a16_kernel_is_its_reference_and_row_independent(n, k):
-    """int8_a16_mm (W8A16 layers on a CPU) gives a16_reference's bits: each activation row
-    as two exact int8 dot products (its int8 rounding and that of the remainder), within
-    about 2^-14 of the float product where W8A8's one int8 row is 2^-8 off; each row the
-    same bits whatever rows come with it, and a zero row gives zeros."""
+    """int8_a16_mm (W8A16 layers on a CPU) gives a16_reference's bits in this host's form
+    (AVX2: one int16 row, its sums in chunks of 512 inputs; VNNI/AMX: two int8 rows, the
+    row's int8 rounding and that of the remainder), within about 2^-14 of the float product
+    where W8A8's one int8 row is 2^-8 off; each row the same bits whatever rows come with
+    it, and a zero row gives zeros."""
     from mtpkit.quant.linear import a16_reference, pack_a8, quantize_rows
 
     g = torch.Generator().manual_seed(5)
@@ -150,6 +151,30 @@ def test_int8_a16_kernel_is_its_reference_and_row_independent(n, k):
             assert torch.equal(mm(x[start:start + rows].contiguous()), got[start:start + rows])
     with pytest.raises(RuntimeError, match="float32"):
         mm(x.double())
+
+
+@pytest.mark.parametrize("form", ["int16", "int8x2"])
+def test_a16_reference_forms_keep_about_15_bits(form):
+    """Both W8A16 forms (a16_reference) stay within 2^-12 of the float product where W8A8's
+    one int8 row is 2^-8 off, and differ from each other only in such last bits; the int16
+    form's codes reach +-32767 and no further (full-scale rows, a lone outlier)."""
+    from mtpkit.quant.linear import a16_reference, quantize_rows
+
+    g = torch.Generator().manual_seed(11)
+    codes = torch.randint(-128, 128, (64, 300), generator=g, dtype=torch.int8)
+    scale = torch.rand(64, generator=g) * 0.05 + 0.01
+    x = torch.randn(6, 300, generator=g) * torch.rand(300, generator=g) ** 3 * 8
+    x[5, 7] = 1e4  # one outlier: every other input of its row rounds to a few codes
+    got = a16_reference(x, codes, scale, form)
+    want = x.double() @ (codes.double() * scale.double()[:, None]).T
+    q, xs = quantize_rows(x)
+    a8 = (q.double() * xs.double()[:, None]) @ (codes.double() * scale.double()[:, None]).T
+    err = ((got.double() - want).abs().amax(1) / want.abs().amax(1))[:5]
+    a8_err = ((a8 - want).abs().amax(1) / want.abs().amax(1))[:5]
+    assert (err < 2 ** -12).all() and (err < a8_err / 30).all()
+    q16, xs16 = quantize_rows(x, 32767)
+    assert q16.dtype == torch.int16 and q16.abs().amax(1).tolist() == [32767] * 6
+    assert q16[5, 7] == 32767 and xs16[5] == torch.tensor(1e4) / 32767
 
 
 @pytest.mark.skipif(not int8_mm_available(), reason="mtpkit's kernels do not build here")

@@ -241,9 +241,9 @@ class QuantLinear(nn.Module):
         if self.bits == 8 and self.group_size is None:
             w = self._prepare("int8", self._pack_int8)
             if int8_mm_available():
-                # Each row as two int8 rows through the W8A8 loop (a16_reference): integer
-                # dot products leave the codes' widening out, so 2-16 rows cost little more
-                # than one, where float FMAs over widened codes cost per row.
+                # Exact integer dot products (a16_reference): they leave the codes' widening
+                # to float out, so 2-16 rows cost little more than one, where float FMAs
+                # over widened codes cost per row.
                 a, s, colsum = self.a8_operands()
                 out = torch.ops.mtpkit.int8_a16_mm(x.float().contiguous(), a, s, colsum)
                 if a.shape[0] != self.out_features:
@@ -360,28 +360,43 @@ class QuantLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {scheme}{group}{act}"
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row int8: codes [M, K] in [-127, 127] and scales [M] (max |x| / 127)."""
+def quantize_rows(x: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row int8 (or int16 for ``levels`` past 127): codes [M, K] in [-levels,
+    levels] and scales [M] (max |x| / levels)."""
     x = x.float()
-    xs = x.abs().amax(-1) / 127
+    xs = x.abs().amax(-1) / levels
     safe = torch.where(xs > 0, xs, torch.ones_like(xs))
-    q = torch.round(x / safe[:, None]).clamp(-127, 127)
+    q = torch.round(x / safe[:, None]).clamp(-levels, levels)
     # An all-zero row (xs == 0) divides by 1 and rounds to zeros.
-    return q.to(torch.int8), xs
+    return q.to(torch.int8 if levels <= 127 else torch.int16), xs
 
 
-def a16_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What int8_a16_mm computes, in torch: y = x @ (codes * scale).T with each row of x
-    split into its int8 quantization q1 (scale xs1) and that of the remainder
-    r = x - q1 * xs1 (q2, xs2), and y = (q1 . codes) * xs1 * scale + (q2 . codes) * xs2 *
-    scale, each dot product an exact integer: about 15 bits of every activation."""
+def a16_form() -> str:
+    """How int8_a16_mm splits an activation row on this host: ``int16`` (one int16 row, 32767
+    levels: AVX2 kernels) or ``int8x2`` (two int8 rows: the AVX-512 VNNI and AMX kernels)."""
+    from .kernels import kernel_isa
+
+    return "int8x2" if kernel_isa() == "avx512" else "int16"
+
+
+def a16_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                  form: str | None = None) -> torch.Tensor:
+    """What int8_a16_mm computes, in torch, in this host's ``a16_form``. ``int16``: each row
+    of x quantized to int16 codes q (scale xs = max |x| / 32767) and y = (q . codes) * xs *
+    scale, 16 bits of every activation. ``int8x2``: each row split into its int8
+    quantization q1 (scale xs1) and that of the remainder r = x - q1 * xs1 (q2, xs2), and
+    y = (q1 . codes) * xs1 * scale + (q2 . codes) * xs2 * scale, about 15 bits. Every dot
+    product is an exact integer, so a row's bits depend on nothing else."""
     x = x.float()
+    s = scale.reshape(-1).float()
+    if (form or a16_form()) == "int16":
+        q, xs = quantize_rows(x, 32767)
+        return ((q.to(torch.int64) @ codes.to(torch.int64).t()).float() * xs[:, None]) * s
     q1, xs1 = quantize_rows(x)
     # One rounding of x - q1 * xs1 (the kernel's fma): exact in float64, then rounded.
     r = (x.double() - q1.double() * xs1.double()[:, None]).float()
     q2, xs2 = quantize_rows(r)
     c = codes.to(torch.int64).t()
-    s = scale.reshape(-1).float()
     return ((q1.to(torch.int64) @ c).float() * xs1[:, None]) * s \
         + ((q2.to(torch.int64) @ c).float() * xs2[:, None]) * s
 

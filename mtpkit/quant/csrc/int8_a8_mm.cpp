@@ -45,6 +45,7 @@
 
 using mtpkit_a8::a8_rows;
 using mtpkit_simd::over_rows;
+using mtpkit_simd::prefetch;
 using mtpkit_simd::quantize_rows;
 using mtpkit_team::Member;
 using mtpkit_team::share_blocks;
@@ -149,7 +150,10 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
 }
 
 // mtpkit::int8_a16_mm(x, packed, scale, colsum) -> y: int8 weights with float activations
-// (W8A16) through the W8A8 loop. Each row of x goes in as two int8 rows: q1 = its per-token
+// (W8A16) in exact integer sums, in one of two forms chosen by the instruction set the
+// kernels are built for (linear.a16_form; a host runs one form on every path). AVX2 builds:
+// one int16 row per row of x (below). AVX-512 VNNI and AMX builds: through the W8A8 loop,
+// each row of x as two int8 rows: q1 = its per-token
 // int8 quantization (scale xs1, as int8_a8_mm) and q2 that of the remainder r = x - q1 * xs1
 // (scale xs2, at most xs1 / 254), so
 //   y[m, n] = (float(sum_k q1 * codes) * xs1) * scale[n] + (float(sum_k q2 * codes) * xs2) * scale[n]
@@ -158,13 +162,135 @@ static at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& w, const at:
 // than reading it, so a step of 2 rows costs about 1.4 steps of one; integer dot products make
 // the codes' widening free and a few rows nearly as cheap as one. Exact integer sums, so each
 // row's bits do not depend on the other rows, the threads or the order.
+#if defined(__AVX2__) && defined(__FMA__) && !MTPKIT_VNNI
+// AVX2 hosts (no VNNI): W8A16 as one int16 row per activation row,
+//   xs[m] = max_k |x[m, k]| / 32767, q[m, k] = round_half_even(x[m, k] / xs[m]) in [-32767, 32767],
+//   y[m, n] = (float(sum_k q[m, k] * codes[n, k]) * xs[m]) * scale[n]
+// (linear.a16_reference's "int16" form), the sum exact. Why not the two int8 rows above: on
+// AVX2 an int8 row costs a sign move, a vpmaddubsw and a vpmaddwd per 32 products, so two of
+// them per activation row make a few rows arithmetic-bound; one vpmaddwd of int16 activations
+// against codes widened to int16 does 16 products, and a row costs about half as much.
+// Chunks of at most 128 runs (512 inputs) keep every int32 lane, and the sum of a column's
+// two lanes, below 2 * 128 * 2 * 32767 * 128 < 2^31; the chunks add up in int64.
+constexpr float kA16Levels = 32767.f;
+constexpr int64_t kA16Chunk = 128;
+
+// Rows of x as int16 codes (rows ld apart, inputs past K zero) and their scales.
+static void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, float* xs,
+                            int64_t ld) {
+  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 hi = _mm256_set1_ps(kA16Levels), lo = _mm256_set1_ps(-kA16Levels);
+  const int64_t Kv = K - K % 8;
+  for (int64_t m = 0; m < M; m++) {
+    const float* xm = x + m * K;
+    int16_t* qm = q + m * ld;
+    std::fill(qm + K, qm + ld, int16_t(0));
+    __m256 vmax = _mm256_setzero_ps();
+    for (int64_t k = 0; k < Kv; k += 8)
+      vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xm + k), no_sign));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    for (int64_t k = Kv; k < K; k++) amax = std::max(amax, std::fabs(xm[k]));
+    const float sc = amax / kA16Levels;
+    xs[m] = sc;
+    if (!(sc > 0.f)) {
+      std::fill(qm, qm + K, int16_t(0));
+      continue;
+    }
+    const __m256 vs = _mm256_set1_ps(sc);
+    for (int64_t k = 0; k < Kv; k += 8) {
+      const __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xm + k), vs),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i i = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, v)));
+      _mm_storeu_si128((__m128i*)(qm + k),
+                       _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
+    }
+    for (int64_t k = Kv; k < K; k++)
+      qm[k] = int16_t(std::min(kA16Levels, std::max(-kA16Levels, std::nearbyint(xm[k] / sc))));
+  }
+}
+
+// R (1 or 2) int16 rows against column blocks [b0, b1) of 16, the codes widened to int16 as
+// they are read: a run's 64 codes as four vectors of 4 columns x 4 inputs against one 64-bit
+// broadcast of the row's 4 inputs, a lane holding 2 products of a column. (Registers: R = 2
+// takes 13 of AVX2's 16.)
+template <int R>
+__attribute__((noinline)) void a16_rows(const int16_t* q, const float* xs, int64_t K4,
+                                          const int8_t* w, const float* s, float* y,
+                                          int64_t N16, int64_t b0, int64_t b1) {
+  const int64_t T = K4 / 4;
+  for (int64_t b = b0; b < b1; b++) {
+    const int8_t* wb = w + b * 16 * K4;
+    int64_t sums[R][16] = {};
+    for (int64_t t0 = 0; t0 < T; t0 += kA16Chunk) {
+      __m256i acc[R][4];
+      for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_si256();
+      for (int64_t t = t0, t1 = std::min(T, t0 + kA16Chunk); t < t1; t++) {
+        prefetch(wb + 64 * t);
+        __m256i wv[4];
+        for (int j = 0; j < 4; j++)
+          wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wb + 64 * t + 16 * j)));
+        for (int r = 0; r < R; r++) {
+          const __m256i xb = _mm256_castpd_si256(
+              _mm256_broadcast_sd(reinterpret_cast<const double*>(q + r * K4 + 4 * t)));
+          for (int j = 0; j < 4; j++) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(wv[j], xb));
+        }
+      }
+      for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) {
+          const __m256i c = _mm256_permute4x64_epi64(
+              _mm256_hadd_epi32(acc[r][2 * h], acc[r][2 * h + 1]), 0xD8);
+          alignas(32) int32_t lane[8];
+          _mm256_store_si256((__m256i*)lane, c);
+          for (int j = 0; j < 8; j++) sums[r][8 * h + j] += lane[j];
+        }
+    }
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < 16; c++)
+        y[r * N16 + 16 * b + c] = (float(sums[r][c]) * xs[r]) * s[16 * b + c];
+  }
+}
+
+#endif
+
 static at::Tensor int8_a16_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
                               const at::Tensor& colsum) {
   check_a8_args("int8_a16_mm", x, w, s, colsum);
   const int64_t M = x.size(0), K = x.size(1), N16 = w.size(0), K4 = w.size(1);
   at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = s.contiguous(), cc = colsum.contiguous();
   at::Tensor y = at::empty({M, N16}, x.options());
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && !MTPKIT_VNNI
+  {
+    thread_local std::vector<int16_t> q16;
+    thread_local std::vector<float> xs16;
+    q16.resize(M * K4);
+    xs16.resize(M);
+    quantize_rows16(xc.data_ptr<float>(), M, K, q16.data(), xs16.data(), K4);
+    const int16_t* qp = q16.data();
+    const float* xsp = xs16.data();
+    const int8_t* wp = wc.data_ptr<int8_t>();
+    const float* sp = sc.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int nt = team_size();
+    Team crew(nt);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+      Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
+      share_blocks(N16 / 16, mtpkit_a8::a8_piece(K4), me, [&](int64_t c0, int64_t c1) {
+        // Rows two at a time over the claimed blocks: the first pair streams the codes from
+        // memory, later pairs find them in cache (a claim is ~16 KB). Widening a block
+        // once into scratch for every row measured slower than widening it again a pair.
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2)
+          a16_rows<2>(qp + m * K4, xsp + m, K4, wp, sp, yp + m * N16, N16, c0, c1);
+        if (m < M) a16_rows<1>(qp + m * K4, xsp + m, K4, wp, sp, yp + m * N16, N16, c0, c1);
+      });
+    }
+    return y;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> xs, r, y2;
   q.resize(a8_scratch_rows(2 * M) * K4);
