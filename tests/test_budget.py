@@ -181,3 +181,19 @@ def test_round_costs_forget_what_was_not_measured_lately():
     costs.record(16, 0.030)
     assert costs.estimate(16) == 0.030  # not averaged with the forgotten 0.400
     assert costs.turns == 3
+
+
+def test_round_costs_average_recent_rounds_and_restart_after_a_gap():
+    """Rounds measured close together are averaged (0.7 old, 0.3 new); a count measured
+    again after more than RESTART_S takes the new time alone (an exploring round's fresh
+    cost replaces one from another moment), and the other counts keep theirs."""
+    now = [0.0]
+    costs = RoundCosts(max_age_s=10.0, clock=lambda: now[0])
+    costs.record(4, 0.020)
+    costs.record(6, 0.030)
+    now[0] = 0.5
+    costs.record(4, 0.010)
+    assert costs.estimate(4) == pytest.approx(0.017)
+    now[0] = 0.5 + RoundCosts.RESTART_S + 0.1
+    costs.record(4, 0.012)
+    assert costs.estimate(4) == 0.012 and costs.estimate(6) == 0.030

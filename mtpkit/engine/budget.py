@@ -74,6 +74,11 @@ class RoundCosts:
     otherwise stand for good whenever the choice it drove never measures it again."""
 
     MAX_AGE_S = 20.0
+    # A count last measured longer ago than this starts again from its new time instead of
+    # averaging with it: the regime not chosen (lean or drafting) is measured only by an
+    # exploring round now and then, and a cost of its from a slow moment, averaged in at
+    # 0.3 a sample, held the other regime's choice for hundreds of rounds.
+    RESTART_S = 1.0
 
     def __init__(self, max_age_s: float = MAX_AGE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -87,10 +92,13 @@ class RoundCosts:
     def record(self, rows: int, seconds: float) -> None:
         """Add one round's time."""
         self._expire()
+        now = self._clock()
         old = self.seconds.get(rows)
+        if old is not None and now - self._when[rows] > self.RESTART_S:
+            old = None
         # The machine's speed moves (shared CPUs), so recent rounds weigh most.
         self.seconds[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
-        self._when[rows] = now = self._clock()
+        self._when[rows] = now
         self._oldest = min(self._oldest, now)
         self.turns += 1
 
