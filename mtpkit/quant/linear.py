@@ -242,8 +242,8 @@ class QuantLinear(nn.Module):
             w = self._prepare("int8", self._pack_int8)
             if int8_mm_available():
                 # Exact integer dot products (a16_reference): they leave the codes' widening
-                # to float out, so 2-16 rows cost little more than one, where float FMAs
-                # over widened codes cost per row.
+                # to float out, so several rows cost far less than float FMAs over widened
+                # codes, which cost per row.
                 a, s, colsum = self.a8_operands()
                 out = torch.ops.mtpkit.int8_a16_mm(x.float().contiguous(), a, s, colsum)
                 if a.shape[0] != self.out_features:

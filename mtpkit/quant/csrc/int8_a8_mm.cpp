@@ -211,41 +211,61 @@ static void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, fl
   }
 }
 
-// R (1 or 2) int16 rows against column blocks [b0, b1) of 16, the codes widened to int16 as
-// they are read: a run's 64 codes as four vectors of 4 columns x 4 inputs against one 64-bit
-// broadcast of the row's 4 inputs, a lane holding 2 products of a column. (Registers: R = 2
-// takes 13 of AVX2's 16.)
+// R (1 or 2) int16 rows against runs [t0, t1) of one block of 16 columns (wb), the codes
+// widened to int16 as they are read: a run's 64 codes as four vectors of 4 columns x 4
+// inputs against one 64-bit broadcast of the row's 4 inputs, a lane holding 2 products of a
+// column. out[r][c]: the column sums (int32: a chunk). Its own function, so that its 8
+// accumulators, 4 code vectors and broadcast keep to registers: inlined into the loop
+// over chunks, gcc kept the int64 sums in vector registers and spilled accumulators.
 template <int R>
-__attribute__((noinline)) void a16_rows(const int16_t* q, const float* xs, int64_t K4,
-                                          const int8_t* w, const float* s, float* y,
-                                          int64_t N16, int64_t b0, int64_t b1) {
+__attribute__((noinline)) void a16_chunk(const int16_t* q, int64_t K4, const int8_t* wb,
+                                         int64_t t0, int64_t t1, int32_t (*out)[16]) {
+  __m256i acc[R][4];
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_si256();
+  // Two runs a turn (u): gcc left a plain loop over runs (runtime bounds) rolled, which ran
+  // clearly slower; four a turn measured slower than two.
+  int64_t t = t0;
+  for (; t < t1; t += 2) {
+    const int U = t + 2 <= t1 ? 2 : 1;
+    for (int u = 0; u < 2; u++) {
+      if (u >= U) break;
+      const int8_t* run = wb + 64 * (t + u);
+      prefetch(run);
+      __m256i wv[4];
+      for (int j = 0; j < 4; j++)
+        wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(run + 16 * j)));
+      for (int r = 0; r < R; r++) {
+        const __m256i xb = _mm256_castpd_si256(
+            _mm256_broadcast_sd(reinterpret_cast<const double*>(q + r * K4 + 4 * (t + u))));
+        for (int j = 0; j < 4; j++)
+          acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(wv[j], xb));
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) {
+      // Lanes 2c, 2c + 1 of acc[r][2h] hold column c's two halves, acc[r][2h + 1] columns
+      // 4-7; hadd pairs them within 128-bit halves as columns 0 1 4 5 | 2 3 6 7.
+      const __m256i c = _mm256_permute4x64_epi64(
+          _mm256_hadd_epi32(acc[r][2 * h], acc[r][2 * h + 1]), 0xD8);
+      _mm256_storeu_si256((__m256i*)(out[r] + 8 * h), c);
+    }
+}
+
+// R (1 or 2) int16 rows against column blocks [b0, b1) of 16: y = (float(sum) * xs) * scale.
+template <int R>
+void a16_rows(const int16_t* q, const float* xs, int64_t K4, const int8_t* w, const float* s,
+              float* y, int64_t N16, int64_t b0, int64_t b1) {
   const int64_t T = K4 / 4;
   for (int64_t b = b0; b < b1; b++) {
     const int8_t* wb = w + b * 16 * K4;
     int64_t sums[R][16] = {};
+    int32_t part[R][16];
     for (int64_t t0 = 0; t0 < T; t0 += kA16Chunk) {
-      __m256i acc[R][4];
+      a16_chunk<R>(q, K4, wb, t0, std::min(T, t0 + kA16Chunk), part);
       for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_si256();
-      for (int64_t t = t0, t1 = std::min(T, t0 + kA16Chunk); t < t1; t++) {
-        prefetch(wb + 64 * t);
-        __m256i wv[4];
-        for (int j = 0; j < 4; j++)
-          wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wb + 64 * t + 16 * j)));
-        for (int r = 0; r < R; r++) {
-          const __m256i xb = _mm256_castpd_si256(
-              _mm256_broadcast_sd(reinterpret_cast<const double*>(q + r * K4 + 4 * t)));
-          for (int j = 0; j < 4; j++) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(wv[j], xb));
-        }
-      }
-      for (int r = 0; r < R; r++)
-        for (int h = 0; h < 2; h++) {
-          const __m256i c = _mm256_permute4x64_epi64(
-              _mm256_hadd_epi32(acc[r][2 * h], acc[r][2 * h + 1]), 0xD8);
-          alignas(32) int32_t lane[8];
-          _mm256_store_si256((__m256i*)lane, c);
-          for (int j = 0; j < 8; j++) sums[r][8 * h + j] += lane[j];
-        }
+        for (int c = 0; c < 16; c++) sums[r][c] += part[r][c];
     }
     for (int r = 0; r < R; r++)
       for (int c = 0; c < 16; c++)
