@@ -178,20 +178,13 @@ constexpr int64_t kA16Chunk = 128;
 // Rows of x as int16 codes (rows ld apart, inputs past K zero) and their scales.
 static void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, float* xs,
                             int64_t ld) {
-  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 hi = _mm256_set1_ps(kA16Levels), lo = _mm256_set1_ps(-kA16Levels);
   const int64_t Kv = K - K % 8;
   for (int64_t m = 0; m < M; m++) {
     const float* xm = x + m * K;
     int16_t* qm = q + m * ld;
     std::fill(qm + K, qm + ld, int16_t(0));
-    __m256 vmax = _mm256_setzero_ps();
-    for (int64_t k = 0; k < Kv; k += 8)
-      vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xm + k), no_sign));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
-    for (int64_t k = Kv; k < K; k++) amax = std::max(amax, std::fabs(xm[k]));
+    const float amax = mtpkit_simd::row_amax(xm, K);
     const float sc = amax / kA16Levels;
     xs[m] = sc;
     if (!(sc > 0.f)) {

@@ -61,6 +61,20 @@ inline void prefetch(const int8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kAhead), _MM_HINT_T1);
 }
 
+// max_k |x[k]| of a row of K floats (exact: any order gives the same maximum).
+inline float row_amax(const float* x, int64_t K) {
+  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const int64_t Kv = K - K % 8;
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t k = 0; k < Kv; k += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + k), no_sign));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+  for (int64_t k = Kv; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
+  return amax;
+}
+
 // Row-wise dynamic quantization (int8_mm.cpp's header): division and rounding as torch does them
 // (IEEE division, round half to even), eight lanes at a time.
 // Row m goes to q + m * ld; flip = 0x80 stores q + 128 as unsigned bytes (vpdpbusd's operand).
@@ -68,19 +82,12 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
                           int64_t ld = -1, uint8_t flip = 0) {
   if (ld < 0) ld = K;
   const __m128i vflip = _mm_set1_epi8(int8_t(flip));
-  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
   const int64_t Kv = K - K % 8;
   for (int64_t m = 0; m < M; m++) {
     const float* xm = x + m * K;
     int8_t* qm = q + m * ld;
-    __m256 vmax = _mm256_setzero_ps();
-    for (int64_t k = 0; k < Kv; k += 8)
-      vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xm + k), no_sign));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
-    for (int64_t k = Kv; k < K; k++) amax = std::max(amax, std::fabs(xm[k]));
+    const float amax = row_amax(xm, K);
     const float sc = amax / 127.f;
     xs[m] = sc;
     if (!(sc > 0.f)) {
