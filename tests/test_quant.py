@@ -151,12 +151,21 @@ def test_int8_a16_kernel_is_its_reference_and_row_independent(n, k):
             assert torch.equal(mm(x[start:start + rows].contiguous()), got[start:start + rows])
     with pytest.raises(RuntimeError, match="float32"):
         mm(x.double())
+    # Sums at their limit: every input at full scale against a column of -128 codes and one
+    # of 127 (the int16 form's chunks keep such sums in int32 lanes; over k = 2100 inputs at
+    # once they would overflow them).
+    edge = codes.clone()
+    edge[0], edge[-1] = -128, 127
+    full = torch.full((2, k), 3.0)
+    full[1] = -3.0
+    got = torch.ops.mtpkit.int8_a16_mm(full, *pack_a8(edge, scale))[:, :n]
+    assert torch.equal(got, a16_reference(full, edge, scale))
 
 
 @pytest.mark.parametrize("form", ["int16", "int8x2"])
 def test_a16_reference_forms_keep_about_15_bits(form):
     """Both W8A16 forms (a16_reference) stay within 2^-12 of the float product where W8A8's
-    one int8 row is 2^-8 off, and differ from each other only in such last bits; the int16
+    one int8 row is 2^-8 off (so they differ from each other only in such last bits); the int16
     form's codes reach +-32767 and no further (full-scale rows, a lone outlier)."""
     from mtpkit.quant.linear import a16_reference, quantize_rows
 

@@ -218,11 +218,8 @@ __attribute__((noinline)) void a16_chunk(const int16_t* q, int64_t K4, const int
     for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_si256();
   // Two runs a turn (u): gcc left a plain loop over runs (runtime bounds) rolled, which ran
   // clearly slower; four a turn measured slower than two.
-  int64_t t = t0;
-  for (; t < t1; t += 2) {
-    const int U = t + 2 <= t1 ? 2 : 1;
-    for (int u = 0; u < 2; u++) {
-      if (u >= U) break;
+  for (int64_t t = t0; t < t1; t += 2) {
+    for (int u = 0; u < 2 && t + u < t1; u++) {
       const int8_t* run = wb + 64 * (t + u);
       prefetch(run);
       __m256i wv[4];
