@@ -436,6 +436,62 @@ def test_w8a8_attn_post_is_attend_rows_then_w8a8_post(heads, kv_heads, dim):
                                         inter)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 20)])
+def test_attend_pool_and_seqs_are_attend_rows_per_sequence(heads, kv_heads, dim):
+    """mtpkit::attend_pool (sequences in slots of one pool, out of order) and attend_seqs
+    (a cache pair a sequence) write each row's key and value at its position in its own
+    sequence's caches and give every row the bits attend_rows gives its sequence alone, for
+    1-8 sequences of 1-3 rows, both thread counts; bad slots and positions are refused."""
+    if not int8_mm_available():
+        pytest.skip("mtpkit's kernels do not build here")
+    g = torch.Generator().manual_seed(heads * dim)
+    slots_n, length = 9, 96
+    kpool = torch.randn(slots_n, kv_heads, length, dim, generator=g)
+    vpool = torch.randn(slots_n, kv_heads, length, dim, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for b in (1, 2, 5, 8):
+                slots = torch.randperm(slots_n, generator=g)[:b]
+                sizes = torch.randint(1, 4, (b,), generator=g)
+                starts = torch.randint(0, length - 4, (b,), generator=g)
+                pos = torch.cat([s + torch.arange(int(z)) for s, z in zip(starts, sizes)])
+                n = int(sizes.sum())
+                q = torch.randn(n, heads, dim, generator=g)
+                k = torch.randn(n, kv_heads, dim, generator=g)
+                v = torch.randn(n, kv_heads, dim, generator=g)
+                kp, vp = kpool.clone(), vpool.clone()
+                got = torch.ops.mtpkit.attend_pool(q, k, v, kp, vp, slots, sizes, pos)
+                kl, vl = [kpool[s : s + 1].clone() for s in slots], [vpool[s : s + 1].clone()
+                                                                      for s in slots]
+                seqs = torch.ops.mtpkit.attend_seqs(q, k, v, kl, vl, pos, sizes.tolist())
+                assert torch.equal(seqs, got), (n_threads, b)
+                r0 = 0
+                for i, (s, z) in enumerate(zip(slots.tolist(), sizes.tolist())):
+                    rows = slice(r0, r0 + z)
+                    kw, vw = kpool[s].clone(), vpool[s].clone()
+                    kw[:, pos[rows]] = k[rows].transpose(0, 1)
+                    vw[:, pos[rows]] = v[rows].transpose(0, 1)
+                    assert torch.equal(kp[s], kw) and torch.equal(vp[s], vw)
+                    assert torch.equal(kl[i][0], kw) and torch.equal(vl[i][0], vw)
+                    want = torch.ops.mtpkit.attend_rows(q[rows], kw, vw, pos[rows], z)
+                    assert torch.equal(got[rows], want), (n_threads, b, i)
+                    r0 += z
+                untouched = sorted(set(range(slots_n)) - set(slots.tolist()))
+                assert torch.equal(kp[untouched], kpool[untouched])
+    finally:
+        torch.set_num_threads(threads)
+    one = torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="slot outside the pool"):
+        torch.ops.mtpkit.attend_pool(q[:1], k[:1], v[:1], kpool, vpool, one * slots_n, one,
+                                     pos[:1])
+    with pytest.raises(RuntimeError, match="position outside the cache"):
+        torch.ops.mtpkit.attend_pool(q[:1], k[:1], v[:1], kpool, vpool, one, one, one * length)
+    with pytest.raises(RuntimeError, match="sizes must add up to N"):
+        torch.ops.mtpkit.attend_pool(q[:2], k[:2], v[:2], kpool, vpool, one, one, pos[:2])
+
+
 def _a8_weight(g, n, k):
     """A packed W8A8 weight [n, k] of random codes and scales."""
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)

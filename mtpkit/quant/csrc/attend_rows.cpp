@@ -21,6 +21,7 @@
 // the arithmetic order is fixed (whatever the thread split, the head count, the row count or
 // the other rows of a step), so every step that computes a row gets the same bits.
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -82,87 +83,66 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at
 //   sequence's caches, then its sequence's rows attend as attend_rows attends them, so each
 //   row gets the bits its sequence's own step gives. One call a layer where a loop over the
 //   sequences made some twenty PyTorch calls a sequence (the copies, the attention, views).
-static at::Tensor attend_seqs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              at::TensorList kbufs, at::TensorList vbufs, const at::Tensor& pos_,
-                              at::IntArrayRef sizes);
-
+//
 // mtpkit::attend_pool(q, k, v, kpool, vpool, slots, sizes, pos) -> out: attend_seqs with every
 // sequence's cache a slot of one pool, kpool/vpool float32 [S, Hkv, L, D], sequence b's at
 // slots[b] (int64 [B]), sizes int64 [B]. The same computation, row for row; what differs is
 // that the sequences are tensors, not lists, so a compiled program takes any batch (its
 // shapes do not depend on how many sequences there are, nor on which slots they hold).
-static at::Tensor attend_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              at::Tensor& kpool, at::Tensor& vpool, const at::Tensor& slots_,
-                              const at::Tensor& sizes_, const at::Tensor& pos) {
-  TORCH_CHECK(kpool.dim() == 4 && kpool.sizes() == vpool.sizes(),
-              "attend_pool: kpool/vpool [S, Hkv, L, D]");
-  TORCH_CHECK(slots_.dim() == 1 && sizes_.dim() == 1 && slots_.size(0) == sizes_.size(0) &&
-                  slots_.scalar_type() == at::kLong && sizes_.scalar_type() == at::kLong,
-              "attend_pool: slots and sizes int64 [B]");
-  const at::Tensor slots = slots_.contiguous(), sizes = sizes_.contiguous();
-  const int64_t B = slots.size(0);
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  std::vector<at::Tensor> kb, vb;
-  kb.reserve(B);
-  vb.reserve(B);
-  for (int64_t b = 0; b < B; b++) {
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < kpool.size(0), "attend_pool: slot outside the pool");
-    kb.push_back(kpool.narrow(0, sp[b], 1));
-    vb.push_back(vpool.narrow(0, sp[b], 1));
-  }
-  const int64_t* zp = sizes.data_ptr<int64_t>();
-  return attend_seqs(q, k, v, kb, vb, pos, at::IntArrayRef(zp, B));
-}
-
-static at::Tensor attend_seqs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              at::TensorList kbufs, at::TensorList vbufs, const at::Tensor& pos_,
-                              at::IntArrayRef sizes) {
+//
+// Both plan from raw pointers: a view made for each sequence's cache, query rows and
+// positions (six a sequence) cost more than its attention at eight sequences of short spans.
 #if defined(__AVX2__) && defined(__FMA__)
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
-                  k.size(0) == q.size(0) && k.size(2) == q.size(2),
-              "attend_seqs: q [N,H,D], k/v [N,Hkv,D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+namespace {
+
+// One sequence's caches [Hkv, L, D] as pointers and strides (rows contiguous).
+struct SeqCache {
+  float *k, *v;
+  int64_t kh, ks, vh, vs, L;
+};
+
+// Writes each row's key and value at its position in its sequence's caches, then attends
+// every sequence's rows (attend_rows' arithmetic) -> out [N, H, D].
+at::Tensor attend_many(const char* op, const at::Tensor& q_, const at::Tensor& k,
+                       const at::Tensor& v, const std::vector<SeqCache>& caches,
+                       const at::Tensor& pos_, const int64_t* sizes) {
+  TORCH_CHECK(q_.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
+                  k.size(0) == q_.size(0) && k.size(2) == q_.size(2) && k.size(1) > 0 &&
+                  q_.size(1) % k.size(1) == 0,
+              op, ": q [N,H,D], k/v [N,Hkv,D], H a multiple of Hkv");
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat && pos_.scalar_type() == at::kLong,
-              "attend_seqs: float32 q/k/v, int64 pos");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "attend_seqs: k/v need contiguous rows");
-  const int64_t nseq = static_cast<int64_t>(sizes.size());
-  TORCH_CHECK(static_cast<int64_t>(kbufs.size()) == nseq &&
-                  static_cast<int64_t>(vbufs.size()) == nseq,
-              "attend_seqs: one cache pair a sequence");
+              op, ": float32 q/k/v, int64 pos");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, op, ": k/v need contiguous rows");
+  const at::Tensor q = q_.stride(2) == 1 ? q_ : q_.contiguous();
   const at::Tensor pos = pos_.contiguous();
-  const int64_t N = q.size(0), Hkv = k.size(1), D = k.size(2);
-  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == N, "attend_seqs: pos [N]");
+  const int64_t N = q.size(0), H = q.size(1), Hkv = k.size(1), D = k.size(2);
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == N, op, ": pos [N]");
   const int64_t* pp = pos.data_ptr<int64_t>();
-  at::Tensor out = at::empty({N, q.size(1), D}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  at::Tensor out = at::detail::empty_cpu({N, H, D}, at::kFloat, /*pin_memory=*/false);
+  float* outp = out.data_ptr<float>();
+  const int64_t nseq = static_cast<int64_t>(caches.size());
   std::vector<mtpkit_attn::Attend> plans;
   plans.reserve(nseq);
   int64_t r0 = 0;
   for (int64_t b = 0; b < nseq; b++) {
     const int64_t n = sizes[b];
-    TORCH_CHECK(n >= 1 && r0 + n <= N, "attend_seqs: sizes must add up to N");
-    const at::Tensor& kb = kbufs[b];
-    const at::Tensor& vb = vbufs[b];
-    TORCH_CHECK(kb.dim() == 4 && kb.size(0) == 1 && kb.size(1) == Hkv && kb.size(3) == D &&
-                    kb.sizes() == vb.sizes() && kb.scalar_type() == at::kFloat &&
-                    vb.scalar_type() == at::kFloat && kb.stride(3) == 1 && vb.stride(3) == 1,
-                "attend_seqs: caches [1, Hkv, L, D] float32");
-    float* kp = kb.data_ptr<float>();
-    float* vp = vb.data_ptr<float>();
+    TORCH_CHECK(n >= 1 && r0 + n <= N, op, ": sizes must add up to N");
+    const SeqCache& c = caches[b];
     for (int64_t r = r0; r < r0 + n; r++) {
-      TORCH_CHECK(pp[r] >= 0 && pp[r] < kb.size(2), "attend_seqs: position outside the cache");
+      TORCH_CHECK(pp[r] >= 0 && pp[r] < c.L, op, ": position outside the cache");
       for (int64_t h = 0; h < Hkv; h++) {
-        std::copy_n(k.data_ptr<float>() + r * k.stride(0) + h * k.stride(1), D,
-                    kp + h * kb.stride(1) + pp[r] * kb.stride(2));
-        std::copy_n(v.data_ptr<float>() + r * v.stride(0) + h * v.stride(1), D,
-                    vp + h * vb.stride(1) + pp[r] * vb.stride(2));
+        std::copy_n(kp + r * k.stride(0) + h * k.stride(1), D, c.k + h * c.kh + pp[r] * c.ks);
+        std::copy_n(vp + r * v.stride(0) + h * v.stride(1), D, c.v + h * c.vh + pp[r] * c.vs);
       }
     }
-    plans.emplace_back(q.narrow(0, r0, n), kb[0], vb[0], pos.narrow(0, r0, n), n,
-                       "attend_seqs");
-    plans.back().op = out.data_ptr<float>() + r0 * q.size(1) * D;
+    plans.emplace_back(qp + r0 * q.stride(0), q.stride(0), q.stride(1), c.k, c.kh, c.ks, c.v,
+                       c.vh, c.vs, n, H, Hkv, c.L, D, pp + r0, n, op);
+    plans.back().op = outp + r0 * H * D;
     r0 += n;
   }
-  TORCH_CHECK(r0 == N, "attend_seqs: sizes must add up to N");
+  TORCH_CHECK(r0 == N, op, ": sizes must add up to N");
   if (nseq == 1) {
     run(plans[0]);
     return out;
@@ -180,8 +160,65 @@ static at::Tensor attend_seqs(const at::Tensor& q, const at::Tensor& k, const at
     }
   });
   return out;
+}
+
+}  // namespace
+#endif
+
+static at::Tensor attend_seqs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              at::TensorList kbufs, at::TensorList vbufs, const at::Tensor& pos,
+                              at::IntArrayRef sizes) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const size_t nseq = sizes.size();
+  TORCH_CHECK(kbufs.size() == nseq && vbufs.size() == nseq,
+              "attend_seqs: one cache pair a sequence");
+  TORCH_CHECK(k.dim() == 3, "attend_seqs: q [N,H,D], k/v [N,Hkv,D]");
+  std::vector<SeqCache> caches;
+  caches.reserve(nseq);
+  for (size_t b = 0; b < nseq; b++) {
+    const at::Tensor& kb = kbufs[b];
+    const at::Tensor& vb = vbufs[b];
+    TORCH_CHECK(kb.dim() == 4 && kb.size(0) == 1 && kb.size(1) == k.size(1) &&
+                    kb.size(3) == k.size(2) && kb.sizes() == vb.sizes() &&
+                    kb.scalar_type() == at::kFloat && vb.scalar_type() == at::kFloat &&
+                    kb.stride(3) == 1 && vb.stride(3) == 1,
+                "attend_seqs: caches [1, Hkv, L, D] float32");
+    caches.push_back({kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(1), kb.stride(2),
+                      vb.stride(1), vb.stride(2), kb.size(2)});
+  }
+  return attend_many("attend_seqs", q, k, v, caches, pos, sizes.data());
 #else
   TORCH_CHECK(false, "attend_seqs was built without AVX2/FMA");
+#endif
+}
+
+static at::Tensor attend_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              at::Tensor& kpool, at::Tensor& vpool, const at::Tensor& slots_,
+                              const at::Tensor& sizes_, const at::Tensor& pos) {
+#if defined(__AVX2__) && defined(__FMA__)
+  TORCH_CHECK(kpool.dim() == 4 && kpool.sizes() == vpool.sizes() && k.dim() == 3 &&
+                  kpool.size(1) == k.size(1) && kpool.size(3) == k.size(2) &&
+                  kpool.scalar_type() == at::kFloat && vpool.scalar_type() == at::kFloat &&
+                  kpool.stride(3) == 1 && vpool.stride(3) == 1,
+              "attend_pool: kpool/vpool float32 [S, Hkv, L, D] with contiguous rows");
+  TORCH_CHECK(slots_.dim() == 1 && sizes_.dim() == 1 && slots_.size(0) == sizes_.size(0) &&
+                  slots_.scalar_type() == at::kLong && sizes_.scalar_type() == at::kLong,
+              "attend_pool: slots and sizes int64 [B]");
+  const at::Tensor slots = slots_.contiguous(), sizes = sizes_.contiguous();
+  const int64_t B = slots.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  std::vector<SeqCache> caches;
+  caches.reserve(B);
+  float *kp = kpool.data_ptr<float>(), *vp = vpool.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < kpool.size(0), "attend_pool: slot outside the pool");
+    caches.push_back({kp + sp[b] * kpool.stride(0), vp + sp[b] * vpool.stride(0),
+                      kpool.stride(1), kpool.stride(2), vpool.stride(1), vpool.stride(2),
+                      kpool.size(2)});
+  }
+  return attend_many("attend_pool", q, k, v, caches, pos, sizes.data_ptr<int64_t>());
+#else
+  TORCH_CHECK(false, "attend_pool was built without AVX2/FMA");
 #endif
 }
 
