@@ -456,7 +456,7 @@ def test_attend_pool_and_seqs_are_attend_rows_per_sequence(heads, kv_heads, dim)
                 slots = torch.randperm(slots_n, generator=g)[:b]
                 sizes = torch.randint(1, 4, (b,), generator=g)
                 starts = torch.randint(0, length - 4, (b,), generator=g)
-                pos = torch.cat([s + torch.arange(int(z)) for s, z in zip(starts, sizes)])
+                pos = torch.cat([s + torch.arange(int(z)) for s, z in zip(starts, sizes, strict=True)])
                 n = int(sizes.sum())
                 q = torch.randn(n, heads, dim, generator=g)
                 k = torch.randn(n, kv_heads, dim, generator=g)
@@ -468,7 +468,7 @@ def test_attend_pool_and_seqs_are_attend_rows_per_sequence(heads, kv_heads, dim)
                 seqs = torch.ops.mtpkit.attend_seqs(q, k, v, kl, vl, pos, sizes.tolist())
                 assert torch.equal(seqs, got), (n_threads, b)
                 r0 = 0
-                for i, (s, z) in enumerate(zip(slots.tolist(), sizes.tolist())):
+                for i, (s, z) in enumerate(zip(slots.tolist(), sizes.tolist(), strict=True)):
                     rows = slice(r0, r0 + z)
                     kw, vw = kpool[s].clone(), vpool[s].clone()
                     kw[:, pos[rows]] = k[rows].transpose(0, 1)
