@@ -9,6 +9,7 @@ import random
 import pytest
 
 from mtpkit.engine.budget import (
+    DRAFT_MARGIN,
     DraftOdds,
     RoundCosts,
     choose_drafts,
@@ -93,11 +94,12 @@ def test_drafting_pays_against_brute_force(seed):
         return fixed + per_row * rows
 
     lean = per_row * n * rng.uniform(0.7, 1.3)
+    margin = rng.choice([1.0, DRAFT_MARGIN, 1.2])
     best = 0.0
     for j in range(1, k + 1):
         tokens = n * (1 + sum(math.prod(probs[: i + 1]) for i in range(j)))
         best = max(best, tokens / cost(n + n * j))
-    assert drafting_pays([probs], n, cost, lean) == (best > n / lean)
+    assert drafting_pays([probs], n, cost, lean, margin) == (best > margin * n / lean)
 
 
 def test_drafting_pays_only_for_drafts_worth_their_rows():
@@ -123,11 +125,27 @@ def test_drafting_pays_against_the_best_choice_of_drafts(seed):
                for _ in range(n)]
     cost = _costs(rng)
     lean = cost(n) * rng.uniform(0.5, 1.2)
+    margin = rng.choice([1.0, DRAFT_MARGIN])
     best = max(_rate(samples, list(t), cost)
                for t in itertools.product(range(k + 1), repeat=n) if any(t))
-    if abs(best - n / lean) < 1e-9 * best:
+    if abs(best - margin * n / lean) < 1e-9 * best:
         return  # a tie either way
-    assert drafting_pays(samples, n, cost, lean) == (best > n / lean)
+    assert drafting_pays(samples, n, cost, lean, margin) == (best > margin * n / lean)
+
+
+def test_a_near_tie_goes_to_the_lean_rounds():
+    """Drafting judged barely faster than lean rounds (2%) is not chosen by default, and is
+    with no margin; judged clearly faster (10%), it is."""
+    def cost(rows):
+        return 4.0 + rows  # 8 sequences, one sure draft each: 16 tokens in 20 s
+
+    near, clear = 16 / 20 / 1.02, 16 / 20 / 1.10  # lean rates a little and well below
+    assert not drafting_pays([[1.0]], 8, cost, 8 / near)
+    assert drafting_pays([[1.0]], 8, cost, 8 / near, margin=1.0)
+    assert drafting_pays([[1.0]], 8, cost, 8 / clear)
+    odds = DraftOdds(4)
+    odds.add([1.0])
+    assert not odds.pays(8, cost, 8 / near) and odds.pays(8, cost, 8 / clear)
 
 
 def test_drafting_pays_for_the_sure_drafts_alone():

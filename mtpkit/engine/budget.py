@@ -134,28 +134,39 @@ class RoundCosts:
         self._oldest = min(self._when.values(), default=math.inf)
 
 
+# How much faster than lean rounds drafting rounds must be judged to be chosen. Near
+# break-even the judgement rests on noisy averages, and drafting has costs the round model
+# leaves out (the head's pass over every prompt, rounds whose drafts all turn out too
+# unlikely to verify, the exploring rounds), so a near tie goes to the lean rounds: on a CPU
+# where a few sequences already make the pass compute-bound, drafting rounds judged barely
+# better than lean ones made the server slower than no MTP.
+DRAFT_MARGIN = 1.05
+
+
 def drafting_pays(samples: list[list[float]], n: int, cost: Callable[[int], float | None],
-                  lean_seconds: float) -> bool:
-    """Whether n sequences drafting yield more tokens per second than rounds that draft
-    nothing (lean_seconds each), given the head's probabilities of the drafts of recent
-    sequences (``samples``, one list a sequence) and cost(rows) of a drafting round that
-    verifies the likeliest drafts (choose_drafts)."""
-    return _pays([e for e, _, _ in _ranked(samples)], len(samples), n, cost, lean_seconds)
+                  lean_seconds: float, margin: float = DRAFT_MARGIN) -> bool:
+    """Whether n sequences drafting yield ``margin`` times the tokens per second of rounds
+    that draft nothing (lean_seconds each), given the head's probabilities of the drafts of
+    recent sequences (``samples``, one list a sequence) and cost(rows) of a drafting round
+    that verifies the likeliest drafts (choose_drafts)."""
+    return _pays([e for e, _, _ in _ranked(samples)], len(samples), n, cost, lean_seconds,
+                 margin)
 
 
 def _pays(odds: list[float], sequences: int, n: int, cost: Callable[[int], float | None],
-          lean_seconds: float) -> bool:
+          lean_seconds: float, margin: float) -> bool:
     # odds: E = p_1 .. p_j of every draft of ``sequences`` sequences, highest first
     # (_ranked). A batch of n sequences drawn like them holds in expectation n / S of the
     # drafts at each rank (S = sequences), so its m likeliest drafts are worth n / S times
     # the sum of the top m S / n values (the last one in part), and the round yields n +
     # that many tokens at cost(n + m); a lean round n tokens at lean_seconds. Drafting pays
-    # when some m beats the lean rate (m = 0 never does: it drafts for nothing). With one
+    # when some m beats margin times the lean rate (m = 0 never does: it drafts for
+    # nothing). With one
     # sequence of mean probabilities this is every sequence verifying j drafts alike, at
     # m = n j.
     if not odds:
         return False
-    lean = n / lean_seconds
+    lean = margin * n / lean_seconds
     tops = list(itertools.accumulate(odds, initial=0.0))
     for m in range(1, math.ceil(n * len(odds) / sequences) + 1):  # past it, no more odds
         q = m * sequences / n
@@ -192,6 +203,7 @@ class DraftOdds:
             for e in self._seen.popleft():
                 del self._neg[bisect.bisect_left(self._neg, -e)]
 
-    def pays(self, n: int, cost: Callable[[int], float | None], lean_seconds: float) -> bool:
+    def pays(self, n: int, cost: Callable[[int], float | None], lean_seconds: float,
+             margin: float = DRAFT_MARGIN) -> bool:
         """drafting_pays over the sequences kept."""
-        return _pays([-e for e in self._neg], len(self._seen), n, cost, lean_seconds)
+        return _pays([-e for e in self._neg], len(self._seen), n, cost, lean_seconds, margin)

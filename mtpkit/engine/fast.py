@@ -1354,7 +1354,7 @@ class FastDecoder:
             t0 = time.perf_counter()
             if kind == "decode":
                 if pooled:
-                    got = self._decode_pooled(group, [st.args for st in group])
+                    got = list(self._decode_pooled(group, [st.args for st in group]).split(1))
                 else:
                     got = pr.decode_many([st.args for st in group])
                 self._timed((kind, k, n), time.perf_counter() - t0)
@@ -1379,9 +1379,9 @@ class FastDecoder:
                 out[i] = g
         return out
 
-    def _decode_pooled(self, group: list[Step], args: list) -> list:
+    def _decode_pooled(self, group: list[Step], args: list) -> torch.Tensor:
         # One-token steps of pooled forks as one trunk_pool call, args = [(token [1, 1],
-        # pos [1], ...)] a step -> [next token [1]].
+        # pos [1], ...)] a step -> the next tokens [n].
         ids = torch.cat([a[0] for a in args], 1)
         pos = torch.cat([a[1] for a in args])
         slots = torch.tensor([st.slot for st in group], device=self.device)
@@ -1389,7 +1389,7 @@ class FastDecoder:
         every = torch.arange(len(group), device=self.device)
         targets, _, _ = self.program("trunk_pool")(ids, pos, slots, torch.ones_like(slots),
                                                    kpools, vpools, every)
-        return list(targets.split(1))
+        return targets
 
     def _pooled_passes(self, group: list[Step]) -> dict:
         # round_many's trunk and head passes for pooled forks: one trunk_pool call and one
@@ -1554,15 +1554,18 @@ class FastDecoder:
 
     def _lean_round(self, group: list[Step], args: list, k: int, pooled: bool) -> list:
         # Rounds of one row each (the pending token) that draft nothing, as decode steps:
-        # round_many(lean=True)'s results without its bookkeeping.
+        # round_many(lean=True)'s results without its bookkeeping. Built for all sequences
+        # in a few tensor ops (a few a sequence made a lean round cost clearly more than the
+        # decode step it runs, and the lean regime is where that matters).
         if pooled:
             targets = self._decode_pooled(group, args)
         else:
-            targets = self.programs.decode_many([(a[0], a[1], a[2], a[3], a[6])
-                                                 for a in args])
-        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+            targets = torch.cat(self.programs.decode_many([(a[0], a[1], a[2], a[3], a[6])
+                                                           for a in args]))
+        t = targets[:, None]
+        out = torch.cat([t, torch.zeros_like(t), t.expand(-1, k)], 1)
         none = torch.zeros(k, device=self.device)
-        return [(torch.cat([t, zero, t.expand(k)]), none) for t in targets]
+        return [(row, none) for row in out.unbind(0)]
 
     def _note_probs(self, group: list[Step]) -> None:
         # The head's probabilities of the drafts of real rounds (a lean round's placeholders
