@@ -134,12 +134,13 @@ def test_drafting_pays_against_the_best_choice_of_drafts(seed):
 
 
 def test_a_near_tie_goes_to_the_lean_rounds():
-    """Drafting judged barely faster than lean rounds (2%) is not chosen by default, and is
-    with no margin; judged clearly faster (10%), it is."""
+    """Drafting judged barely faster than lean rounds (within DRAFT_MARGIN) is not chosen
+    by default, and is with no margin; judged clearly faster (past it), it is."""
     def cost(rows):
         return 4.0 + rows  # 8 sequences, one sure draft each: 16 tokens in 20 s
 
-    near, clear = 16 / 20 / 1.02, 16 / 20 / 1.10  # lean rates a little and well below
+    # Lean rates a little and well below the drafting rate.
+    near, clear = 16 / 20 / (1 + (DRAFT_MARGIN - 1) / 2), 16 / 20 / (DRAFT_MARGIN + 0.05)
     assert not drafting_pays([[1.0]], 8, cost, 8 / near)
     assert drafting_pays([[1.0]], 8, cost, 8 / near, margin=1.0)
     assert drafting_pays([[1.0]], 8, cost, 8 / clear)
