@@ -12,6 +12,7 @@ python scripts/pool_kernels.py [SPAN=200] [SETS=3]
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -51,15 +52,15 @@ def main(span: int, sets: int) -> None:
         for (n, k), (w, s, c) in gemms.items():
             for rows in (1, 2, 4, 8, 16):
                 x = torch.randn(rows, k, generator=g)
-                us = _median_us(lambda: torch.ops.mtpkit.int8_a16_mm(x, w, s, c),
+                us = _median_us(functools.partial(torch.ops.mtpkit.int8_a16_mm, x, w, s, c),
                                 100 if n > 10000 else 400)
                 results.setdefault(f"int8_a16_mm {n} x {k}, {rows} rows", []).append(us)
         for b in (1, 4, 8):
             q, kv = torch.randn(b, heads, dim), torch.randn(b, kv_heads, dim)
             pos = span + torch.arange(b)
             one = torch.ones(b, dtype=torch.long)
-            us = _median_us(lambda: torch.ops.mtpkit.attend_pool(
-                q, kv, kv, kpool, vpool, torch.arange(b), one, pos), 400)
+            us = _median_us(functools.partial(torch.ops.mtpkit.attend_pool, q, kv, kv, kpool,
+                                              vpool, torch.arange(b), one, pos), 400)
             results.setdefault(f"attend_pool {b} sequences, span {span}", []).append(us)
     for name, times in results.items():
         print(f"{name}: " + " ".join(f"{t:.1f}" for t in times))
