@@ -140,7 +140,7 @@ class RoundCosts:
 # unlikely to verify, the exploring rounds), so a near tie goes to the lean rounds: on a CPU
 # where a few sequences already make the pass compute-bound, drafting rounds judged barely
 # better than lean ones made the server slower than no MTP.
-DRAFT_MARGIN = 1.10
+DRAFT_MARGIN = 1.05
 
 
 def drafting_pays(samples: list[list[float]], n: int, cost: Callable[[int], float | None],
