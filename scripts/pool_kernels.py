@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 
 import torch
 
+from mtpkit.bench.steps import _time as median_ms
 from mtpkit.quant.kernels import int8_mm_available
 from mtpkit.quant.linear import pack_a8
 
@@ -25,13 +25,7 @@ from mtpkit.quant.linear import pack_a8
 def _median_us(fn, calls: int) -> float:
     for _ in range(20):
         fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return 1e6 * times[len(times) // 2]
+    return 1000 * median_ms(fn, calls)
 
 
 def main(span: int, sets: int) -> None:
