@@ -163,9 +163,8 @@ def _pays(odds: list[float], sequences: int, n: int, cost: Callable[[int], float
     # the sum of the top m S / n values (the last one in part), and the round yields n +
     # that many tokens at cost(n + m); a lean round n tokens at lean_seconds. Drafting pays
     # when some m beats margin times the lean rate (m = 0 never does: it drafts for
-    # nothing). With one
-    # sequence of mean probabilities this is every sequence verifying j drafts alike, at
-    # m = n j.
+    # nothing). With one sequence of mean probabilities this is every sequence verifying j
+    # drafts alike, at m = n j.
     if not odds:
         return False
     lean = margin * n / lean_seconds
