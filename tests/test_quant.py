@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -1416,6 +1417,32 @@ def _hold_builder(folder):
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
+
+
+def test_each_copy_of_the_kernel_sources_builds_in_its_own_folder(monkeypatch, tmp_path):
+    """Two installs of one version (a venv and a checkout, a clone running the tests) build
+    in folders of their own: sharing one, each rebuilt it whenever the other had built last."""
+    from mtpkit.quant import kernels
+
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path / "cache"))
+    name, here = kernels.build_folder("avx2")
+    assert name == f"mtpkit_kernels_{kernels.source_digest()}_avx2"
+    assert here.parent == tmp_path / "cache" / "ext" and here.name.startswith(name)
+    assert kernels.build_folder("avx2") == (name, here)  # the same copy: the same folder
+    assert kernels.build_folder("avx512")[1] != here
+    monkeypatch.setattr(kernels, "_CSRC", tmp_path / "another" / "mtpkit" / "quant" / "csrc")
+    other_name, there = kernels.build_folder("avx2")
+    assert other_name == name and there.parent == here.parent and there != here
+
+
+def test_the_kernels_load_from_their_build_folder():
+    """The library this process loaded is the one in build_folder's folder."""
+    from mtpkit.quant import kernels
+
+    if not kernels.int8_mm_available():
+        pytest.skip("mtpkit's CPU kernels do not build here")
+    _, folder = kernels.build_folder(kernels.kernel_isa())
+    assert Path(kernels._state["lib"]._name).parent == folder
 
 
 def test_kernel_build_clears_the_lock_of_a_killed_builder(tmp_path):

@@ -83,22 +83,32 @@ def kernel_isa() -> str:
     return "avx512" if all(f in flags for f in _AVX512) else "avx2"
 
 
-def _build() -> None:
-    from torch.utils.cpp_extension import load
-
+def build_folder(isa: str) -> tuple[str, Path]:
+    """The kernels' library name and the folder they are built in for this copy of mtpkit."""
     from ..builtin import cache_dir
 
     # Named apart from the folders of mtpkit versions before ``builder_lock``: a process of
     # such a version builds without the flock, and a newer one would take its live lock for
     # a stale one (two ninjas in one folder corrupt its deps log: every later load rebuilds).
-    isa = kernel_isa()
     name = f"mtpkit_kernels_{source_digest()}_{isa}"
-    folder = cache_dir() / "ext" / name
+    # One folder per copy of the sources as well: cpp_extension's build.ninja names them by
+    # absolute path, so two installs of one version (a venv and a checkout, a clone that
+    # runs the tests) sharing a folder rebuilt it in the first command after the other had
+    # built last, relinking a library that the other install's processes may have mapped.
+    where = hashlib.sha256(str(_CSRC).encode()).hexdigest()[:8]
+    return name, cache_dir() / "ext" / f"{name}_{where}"
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    isa = kernel_isa()
+    name, folder = build_folder(isa)
     folder.mkdir(parents=True, exist_ok=True)
     # Said at a terminal only: a first command's error output must stay its one line.
     if not (folder / f"{name}.so").exists() and sys.stderr.isatty():
-        print(f"note: building mtpkit's CPU kernels into {folder} (first use of this version, "
-              "about 30 s on 2 cores)", file=sys.stderr)
+        print(f"note: building mtpkit's CPU kernels into {folder} (first use of this version "
+              "and copy of mtpkit, 20-60 s on 2 cores)", file=sys.stderr)
     with builder_lock(folder):
         lib = load(name, [str(src) for src in _SOURCES], build_directory=str(folder),
                    is_python_module=False,
