@@ -1419,6 +1419,50 @@ def _hold_builder(folder):
     return proc
 
 
+def test_int8_rows_are_compressed_tensors_w8a16_qparams():
+    """The head's int8 rows take calculate_qparams' scales (w8a16's arguments) bit for bit."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from mtpkit.quant.pack import Scheme, int8_rows
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 96, generator=g) * torch.logspace(-6, 2, 64)[:, None]
+    w[0] = 0.0  # a zero row: the eps scale
+    w[1] = w[1].abs()  # positive only
+    w[2] = -w[2].abs()  # negative only
+    w[3, 5] = 1e-30
+    w[3, :5] = 0.0
+    scale, _ = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True),
+                                 Scheme("w8a16").args())
+    scale = scale.reshape(-1, 1).float()
+    codes, got = int8_rows(w)
+    assert got.dtype == torch.float32 and got.shape == (64, 1)
+    assert torch.equal(got, scale)
+    assert torch.equal(codes, torch.round(w / scale).clamp(-128, 127).to(torch.int8))
+
+
+@pytest.mark.parametrize("bits,k,packed_dim", [(8, 64, 1), (8, 37, 1), (8, 5, 0), (4, 37, 1)])
+def test_unpack_codes_is_compressed_tensors_unpack(bits, k, packed_dim):
+    """The 8-bit byte view gives compressed-tensors' codes for words it packed itself."""
+    from compressed_tensors.compressors.pack_quantized.helpers import (
+        pack_to_int32,
+        unpack_from_int32,
+    )
+
+    from mtpkit.quant.formats import unpack_codes
+
+    g = torch.Generator().manual_seed(k)
+    half = 1 << (bits - 1)
+    codes = torch.randint(-half, half, (6, k), generator=g, dtype=torch.int8)
+    codes[0, :4] = torch.tensor([-half, half - 1, 0, -1], dtype=torch.int8)[: min(4, k)]
+    shape = codes.shape
+    packed = pack_to_int32(codes, bits, packed_dim=packed_dim)
+    got = unpack_codes(packed, bits, shape, packed_dim=packed_dim)
+    assert got.dtype == torch.int8
+    assert torch.equal(got, unpack_from_int32(packed, bits, shape, packed_dim=packed_dim))
+    assert torch.equal(got, codes)
+
+
 def test_each_copy_of_the_kernel_sources_builds_in_its_own_folder(monkeypatch, tmp_path):
     """Two installs of one version (a venv and a checkout, a clone running the tests) build
     in folders of their own: sharing one, each rebuilt it whenever the other had built last."""

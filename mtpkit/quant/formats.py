@@ -24,6 +24,7 @@ Formats, recognised by tensor names (suffixes of a module's prefix):
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -205,9 +206,23 @@ def _perm_for(g_idx: torch.Tensor | None, k: int, group: int | None):
     return perm
 
 
-def _pack_quantized(t: dict, bias) -> QuantLinear:
+def unpack_codes(packed: torch.Tensor, bits: int, shape: torch.Size,
+                 packed_dim: int = 1) -> torch.Tensor:
+    """compressed-tensors' unpack_from_int32 (codes int8 [shape] from pack-quantized words),
+    8-bit rows on a little-endian host read as bytes."""
+    if (bits == 8 and packed_dim == 1 and packed.dtype == torch.int32 and packed.dim() == 2
+            and sys.byteorder == "little" and packed.shape[1] * 4 >= shape[1]):
+        # Code i of a row is byte i of its words, stored as code + 128. By hand because
+        # importing compressed-tensors costs a built-in model's start about 2.5 s (it loads
+        # its whole package), more than the rest of loading, for what is a view here.
+        raw = packed.contiguous().view(torch.uint8)[:, : shape[1]]
+        return (raw ^ 0x80).view(torch.int8)
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
+    return unpack_from_int32(packed, bits, shape, packed_dim=packed_dim)
+
+
+def _pack_quantized(t: dict, bias) -> QuantLinear:
     packed, scale = t["weight_packed"], t["weight_scale"]
     if packed.dim() != 2:
         raise ValueError("fused (3-D) expert tensors are not supported quantized yet")
@@ -220,11 +235,11 @@ def _pack_quantized(t: dict, bias) -> QuantLinear:
     bits = fits[0]
     groups = scale.shape[1] if scale.dim() == 2 else 1
     group = None if groups == 1 else -(-k // groups)
-    codes = unpack_from_int32(packed, bits, torch.Size((n, k)))
+    codes = unpack_codes(packed, bits, torch.Size((n, k)))
     zero = None
     if "weight_zero_point" in t:
-        zero = unpack_from_int32(t["weight_zero_point"], bits, torch.Size((n, groups)),
-                                 packed_dim=0)
+        zero = unpack_codes(t["weight_zero_point"], bits, torch.Size((n, groups)),
+                            packed_dim=0)
     perm = _perm_for(t.get("weight_g_idx"), k, group)
     if perm is not None:
         codes = codes[:, perm]

@@ -134,12 +134,16 @@ def config_group(scheme: Scheme, targets: list[str]) -> dict:
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric int8 codes [N, K] and scales [N, 1] of a float weight,
     round to nearest with the scales of ``w8a16`` (what `mtpkit quantize` writes)."""
-    from compressed_tensors.quantization.utils import calculate_qparams
-
     w = weight.detach().float()
-    scale, _ = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True),
-                                 Scheme("w8a16").args())
-    scale = scale.reshape(-1, 1).float()
+    # compressed-tensors' calculate_qparams with w8a16's arguments (symmetric int8 per
+    # channel): the largest magnitude over 255 / 2, a zero scale replaced by float32's eps.
+    # By hand because importing compressed-tensors (transformers and scipy come with it)
+    # costs every start of the built-in model, whose head this quantizes, about 2.5 s; a
+    # test holds it to calculate_qparams.
+    amax = torch.maximum(w.amin(-1, keepdim=True).clamp(max=0).abs(),
+                         w.amax(-1, keepdim=True).clamp(min=0))
+    scale = amax / 127.5
+    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale).reshape(-1, 1)
     return torch.round(w / scale).clamp(-128, 127).to(torch.int8), scale
 
 
