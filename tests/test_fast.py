@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mtpkit.engine.fast as fast_mod
+import mtpkit.models.cache as cache_mod
 from mtpkit.engine.fast import (
     FastDecoder,
     W8A8Forms,
@@ -656,6 +657,14 @@ def test_forks_stepped_together_keep_each_sequences_tokens(name, pooled, engine_
     caches are slots of one pool (make_pool), the batched passes the trunk_pool and
     head_pool programs."""
     engine = quantized_engines[name] if name in quantized_engines else engine_factory(name)
+    maps = []
+    if pooled:
+        # Every cache a mapping whose pages come as written (models/cache.zeros), as a
+        # server's full-size pools are.
+        real = cache_mod.mmap.mmap
+        monkeypatch.setattr(cache_mod, "LAZY_MIN_BYTES", 0)
+        monkeypatch.setattr(cache_mod.mmap, "mmap",
+                            lambda *a, **kw: maps.append(a) or real(*a, **kw))
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
     assert dec.programs.batchable
     # Every batched round drafts (the rounds that do not: test_lean_rounds_...).
@@ -665,7 +674,9 @@ def test_forks_stepped_together_keep_each_sequences_tokens(name, pooled, engine_
         assert not dec.make_pool(3) and dec.fork(0).slot is None
         return
     if pooled:
+        before = len(maps)
         assert dec.make_pool(3)
+        assert len(maps) - before == 2 * len(dec.kc) + 2  # every layer's pools and the head's
         forks = [dec.fork(i) for i in (2, 0, 1)]
         # A slot's caches are views of the pool; the pool programs run the batched steps.
         assert forks[0].kc[0].data_ptr() == dec._pool[0][0][2].data_ptr()

@@ -62,6 +62,7 @@ from torch import nn
 
 from .. import threads
 from ..models.attention import Attention, position_mask, row_kernel_fits
+from ..models.cache import zeros
 from ..models.eagle3 import is_eagle3
 from ..models.layers import MLP, PreNormDecoderLayer, swapped
 from ..quant.kernels import aoti_c_shims, argmax_rows, int8_mm_available, kernel_choice
@@ -814,7 +815,7 @@ class FastDecoder:
         def buf():
             # Normal tensors even when built in inference mode: export writes them outside it.
             with torch.inference_mode(False):
-                return torch.zeros(shape, dtype=dtype, device=self.device)
+                return zeros(shape, dtype, self.device)
 
         # One tensor per layer, not one stacked tensor: a compiled step writes a whole
         # input tensor in place, where a view of a stacked buffer would be copied. Trunks
@@ -828,8 +829,7 @@ class FastDecoder:
         layers = len(model.model.layers)
         if self.programs.stacked_caches and dtype == torch.float32:
             with torch.inference_mode(False):
-                kstack, vstack = (torch.zeros((layers, *shape), dtype=dtype, device=self.device)
-                                  for _ in range(2))
+                kstack, vstack = (zeros((layers, *shape), dtype, self.device) for _ in range(2))
             self.kc, self.vc = list(kstack.unbind(0)), list(vstack.unbind(0))
             self.kv: tuple = (kstack, vstack)
         else:
@@ -895,7 +895,7 @@ class FastDecoder:
         dtype, dev = self.kc[0].dtype, self.device
         with torch.inference_mode(False):
             def buf():
-                return torch.zeros(shape, dtype=dtype, device=dev)
+                return zeros(shape, dtype, dev)
             layers = len(self.kc)
             kpools = [buf() for _ in range(layers)]
             vpools = [buf() for _ in range(layers)]

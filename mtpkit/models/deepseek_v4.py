@@ -67,7 +67,7 @@ from torch import nn
 from ..checkpoint.errors import CheckpointError
 from ..quant.linear import dtype_device
 from .base import CausalLM, TrunkOutput
-from .cache import KVCache, ModelCache
+from .cache import KVCache, ModelCache, zeros
 from .config import ConfigBase, ConfigError, require
 from .layers import RMSNorm, Rotary
 from .moe import run_experts, split_fused_experts
@@ -336,9 +336,9 @@ class _Pool:
 
     def __init__(self, batch, max_len, rate, width, dim, dtype, device) -> None:
         self.rate = rate
-        self.kv = torch.zeros(batch, max_len, width, dtype=dtype, device=device)
-        self.gate = torch.zeros(batch, max_len, width, dtype=dtype, device=device)
-        self.entries = torch.zeros(batch, max_len // rate + 1, dim, dtype=dtype, device=device)
+        self.kv = zeros((batch, max_len, width), dtype, device)
+        self.gate = zeros((batch, max_len, width), dtype, device)
+        self.entries = zeros((batch, max_len // rate + 1, dim), dtype, device)
         self.count = 0  # entries of windows that lie before the cache's length
 
 

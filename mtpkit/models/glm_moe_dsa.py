@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import CausalLM, TrunkOutput
-from .cache import CacheFullError
+from .cache import CacheFullError, zeros
 from .config import ConfigError
 from .deepseek_v3 import LatentCache, MLAttention
 from .glm4_moe_lite import Glm4MoeLiteConfig
@@ -140,7 +140,7 @@ class DsaCache(LatentCache):
 
     def __init__(self, batch, max_len, r, dr, index_dim, dtype, device) -> None:
         super().__init__(batch, 1, max_len, r, dtype, device, v_head_dim=dr)
-        self.ik = torch.zeros(batch, max_len, index_dim, dtype=dtype, device=device)
+        self.ik = zeros((batch, max_len, index_dim), dtype, device)
 
     def index_keys(self, k: torch.Tensor) -> torch.Tensor:
         """Write indexer keys [B, T, d] at the current position (the latent's update moves
