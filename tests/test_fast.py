@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 import mtpkit.engine.fast as fast_mod
 import mtpkit.models.cache as cache_mod
@@ -19,6 +20,7 @@ from mtpkit.engine.fast import (
 )
 from mtpkit.engine.generate import Engine, Result
 from mtpkit.engine.sampling import SamplingParams
+from mtpkit.quant.linear import FORM_PREFIX
 
 # Attention + SwiGLU families take the fast path; the others must say why they do not.
 FAST = ["llama", "llama_tied", "qwen2", "qwen3", "mimo"]
@@ -602,6 +604,61 @@ def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path,
         if gemm == "w8a8_trunk_kv":  # it writes the caches in place: no copy of them
             assert "aoti_torch_clone" not in wrapper and "aoti_torch_copy_" not in wrapper
             assert dec.kv[0].dim() == 5 and dec.kc[0].data_ptr() == dec.kv[0].data_ptr()
+    # Built without the weights, the programs run on the model's own tensors, the packed
+    # forms of quantized layers included: the final norm's weight negated in place turns
+    # every step's logits around and changes what they decode as it does the eager
+    # engine's, and undoing it restores the tokens.
+    decode = dec.program("decode", 1, 0)
+    assert decode.compiled.get_metadata()[fast_mod.CONSTANTS_KEY] == "model"
+    held = list(decode.held.values())
+    forms = [n for n in decode.held if n.rsplit(".", 1)[-1].startswith(FORM_PREFIX)]
+    assert bool(forms) == (scheme != "fp32")
+    norm = engine.model.model.norm.weight
+    assert any(t is norm for t in held)
+    want, _ = _eager(engine, PROMPTS[0], 0)
+    with torch.no_grad():
+        norm.neg_()
+        changed = _eager(engine, PROMPTS[0], 0)[0]
+        got = _fast(dec, PROMPTS[0], 0)[0]
+        norm.neg_()
+    assert changed != want and got == changed
+    assert _fast(dec, PROMPTS[0], 0)[0] == want
+
+
+def test_programs_hold_weights_only_where_a_gemm_of_inductor_takes_them():
+    """A program is built without its weights (_runs_on_model_tensors) only when every
+    tensor it holds is the model's under the same name and no aten GEMM takes one (those
+    want freezing's prepacked copies); a tensor held in a dict is an anonymous constant."""
+
+    class Inner(nn.Module):
+        def __init__(self, how):
+            super().__init__()
+            self.how = how
+            self.w = nn.Parameter(torch.randn(8, 8))
+            self.register_buffer("b", torch.randn(8), persistent=False)
+            self.kept = {"t": torch.randn(8)}
+
+        def forward(self, x):
+            if self.how == "pointwise":
+                return x * self.w[0] + self._buffers["b"]
+            if self.how == "gemm":
+                return torch.nn.functional.linear(x, self.w.t()) + self.b
+            return x * self.kept["t"]
+
+    class Outer(nn.Module):
+        def __init__(self, how):
+            super().__init__()
+            self.programs = Inner(how)
+
+        def forward(self, x):
+            return self.programs(x)
+
+    got = {}
+    for how in ("pointwise", "gemm", "dict"):
+        outer = Outer(how)
+        ep = torch.export.export(outer, (torch.randn(2, 8),), strict=False)
+        got[how] = fast_mod._runs_on_model_tensors(ep, outer.programs)
+    assert got == {"pointwise": True, "gemm": False, "dict": False}
 
 
 def test_program_keys_tell_w8a8_from_w8a16(quantized_engines):
@@ -612,6 +669,27 @@ def test_program_keys_tell_w8a8_from_w8a16(quantized_engines):
     a8, w8 = quantized_engines["w8a8-lm"].model, quantized_engines["w8a16-lm"].model
     assert torch.equal(a8.lm_head.codes, w8.lm_head.codes)
     assert model_fingerprint(Programs(a8, None)) != model_fingerprint(Programs(w8, None))
+
+
+def test_program_keys_do_not_depend_on_which_kernel_forms_exist(quantized_engines):
+    """A layer's kernel forms are buffers built on first use (QuantLinear._prepare): the
+    key of a program must be the same whether a process has built them yet or not, else a
+    later process would never find the programs an earlier one built."""
+    from mtpkit.engine.fast import Programs, model_fingerprint
+    from mtpkit.quant.linear import FORM_PREFIX, QuantLinear
+
+    model = quantized_engines["w8a16"].model
+    programs = Programs(model, None)
+    built = model_fingerprint(programs)
+    layers = [m for m in programs.modules() if isinstance(m, QuantLinear)]
+    for m in layers:
+        m.to("cpu")  # forgets its forms
+    assert not any(n.rsplit(".", 1)[-1].startswith(FORM_PREFIX)
+                   for n, _ in programs.named_buffers())
+    assert model_fingerprint(programs) == built
+    _eager(quantized_engines["w8a16"], PROMPTS[0], 1)
+    assert any(n.rsplit(".", 1)[-1].startswith(FORM_PREFIX) for n, _ in programs.named_buffers())
+    assert model_fingerprint(programs) == built
 
 
 def _lockstep(dec: FastDecoder, gens: dict) -> tuple[dict, dict]:

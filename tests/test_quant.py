@@ -1662,3 +1662,26 @@ def test_quantize_keeps_what_vllm_never_quantizes_float(checkpoint_factory, tmp_
     q, notes = _load(out)
     assert not [n for n in notes if "unquantized although" in n], notes
     assert not isinstance(q.model.model.layers[0].self_attn.indexer.wk, QuantLinear)
+
+
+@pytest.mark.parametrize("bits,group,asym,perm", [(8, None, False, False), (4, 32, True, True)])
+def test_kernel_forms_are_buffers_outside_the_state_dict(bits, group, asym, perm):
+    """A layer's kernel forms of its weights (built on first use) are non-persistent
+    buffers, which a traced program names by path: the state dict stays the checkpoint's,
+    the forms a call reads are those buffers, a move to a device drops them and the next
+    call builds them again, with the same output."""
+    from mtpkit.quant.linear import FORM_PREFIX
+
+    layer = _int_layer(bits, group, asym, perm)
+    keys = set(layer.state_dict())
+    assert not any(n.startswith(FORM_PREFIX) for n, _ in layer.named_buffers())
+    x = torch.randn(3, layer.in_features)
+    y = layer(x)
+    forms = {n: t for n, t in layer.named_buffers() if n.startswith(FORM_PREFIX)}
+    assert forms and set(layer.state_dict()) == keys
+    if bits == 8 and int8_mm_available():
+        assert all(any(t is f for f in forms.values()) for t in layer.a8_operands())
+    layer.to("cpu", torch.float32)
+    assert not any(n.startswith(FORM_PREFIX) for n, _ in layer.named_buffers())
+    assert torch.equal(layer(x), y)
+    assert {n for n, _ in layer.named_buffers() if n.startswith(FORM_PREFIX)} == set(forms)

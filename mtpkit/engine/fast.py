@@ -68,6 +68,7 @@ from ..models.layers import MLP, PreNormDecoderLayer, swapped
 from ..quant.kernels import aoti_c_shims, argmax_rows, int8_mm_available, kernel_choice
 from ..quant.kernels import source_digest as kernel_source_digest
 from ..quant.linear import (
+    FORM_PREFIX,
     QuantLinear,
     RowExactLinear,
     every_row_exact,
@@ -621,6 +622,8 @@ def model_fingerprint(programs: Programs) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(programs.model.config.__dict__, sort_keys=True, default=str).encode())
     for name, t in list(programs.named_parameters()) + list(programs.named_buffers()):
+        if name.rsplit(".", 1)[-1].startswith(FORM_PREFIX):
+            continue  # a kernel's form of weights counted already (built lazily, or not)
         flat = t.detach().reshape(-1)
         if flat.is_floating_point():
             summary = [float(flat.sum(dtype=torch.float64))]
@@ -635,6 +638,44 @@ def model_fingerprint(programs: Programs) -> str:
         if isinstance(mod, QuantLinear):
             h.update(f"{name}|{mod.extra_repr()}|{mod.dtype}|{mod.block}".encode())
     return h.hexdigest()[:24]
+
+
+CONSTANTS_KEY = "mtpkit_constants"  # package metadata: "model" where it holds no weights
+
+# Ops a weight passes through on its way to a GEMM without ceasing to be that weight.
+_WEIGHT_VIEWS = {"t", "transpose", "permute", "view", "reshape", "expand", "unsqueeze",
+                 "squeeze", "_to_copy", "to", "clone", "contiguous", "detach", "alias",
+                 "slice", "select", "type_as"}
+_ATEN_GEMMS = {"mm", "addmm", "linear", "bmm", "baddbmm", "matmul", "_weight_int8pack_mm",
+               "_weight_int4pack_mm_for_cpu"}
+
+
+def _named_tensors(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of module by its path (shared ones under each name)."""
+    named = dict(module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False))
+    named.update(module.named_buffers(prefix=prefix.rstrip("."), remove_duplicate=False))
+    return named
+
+
+def _runs_on_model_tensors(ep, programs: Programs) -> bool:
+    """Whether an exported program can be built without its weights: every tensor it
+    holds is a parameter or buffer of the model under the same name, and no aten GEMM
+    takes one (inductor's CPU GEMMs want the prepacked copies freezing makes)."""
+    named = _named_tensors(programs, "programs.")
+    if any(n not in named for n in (*ep.state_dict, *ep.constants)):
+        return False
+    weights = {spec.arg.name for spec in ep.graph_signature.input_specs
+               if spec.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")}
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        op = getattr(node.target, "_opname", None)
+        takes = [a for a in node.args if isinstance(a, torch.fx.Node) and a.name in weights]
+        if op in _ATEN_GEMMS and takes:
+            return False
+        if op in _WEIGHT_VIEWS and takes:
+            weights.add(node.name)
+    return True
 
 
 def traced_sources(model) -> list[Path]:
@@ -1079,7 +1120,24 @@ class FastDecoder:
             pass  # a read-only cache is still usable; it only loses that ordering
         self._used.add(path)
         self.stats.loaded += 1
-        return _Loaded(torch._inductor.aoti_load_package(str(path)))
+        return self._open(path)
+
+    def _open(self, path: Path):
+        # A program file as a callable: where it was built without its weights (_aoti),
+        # given the model's own tensors, kept alive by the program (user_managed: used in
+        # place, not copied).
+        compiled = torch._inductor.aoti_load_package(str(path))
+        held = None
+        if compiled.get_metadata().get(CONSTANTS_KEY) == "model":
+            named = _named_tensors(self.programs, "programs.")
+            want = compiled.get_constant_fqns()
+            missing = [n for n in want if n not in named]
+            if missing:
+                raise RuntimeError(f"{path.name} needs {missing[0]}, which this model does "
+                                   "not hold; remove it (mtpkit cache clear) and rebuild")
+            held = {n: named[n] for n in want}
+            compiled.load_constants(held, check_full_update=True, user_managed=True)
+        return _Loaded(compiled, held)
 
     def _aoti(self, step, kind: str, t: int, k: int, example):
         path = self._aoti_path(kind, t, k)
@@ -1099,6 +1157,13 @@ class FastDecoder:
             try:
                 configs = self._configs()
                 configs["aot_inductor.custom_ops_to_c_shims"] = aoti_c_shims()
+                if _runs_on_model_tensors(ep, self.programs):
+                    # The package holds no weights: _load gives it the model's. Freezing
+                    # would fold them into constants of its own, and buys nothing where
+                    # mtpkit's kernels take them as they are.
+                    configs.update({"freezing": False,
+                                    "aot_inductor.package_constants_in_so": False,
+                                    "aot_inductor.metadata": {CONSTANTS_KEY: "model"}})
                 torch._inductor.aoti_compile_and_package(ep, package_path=tmp,
                                                          inductor_configs=configs)
                 os.replace(tmp, path)  # atomic: a concurrent run sees all or nothing
@@ -1108,7 +1173,7 @@ class FastDecoder:
             self.stats.compiled += 1
             self._used.add(path)
             prune_compiled(path.parent, cap, keep=self._used)
-            return _Loaded(torch._inductor.aoti_load_package(str(path)))
+            return self._open(path)
         return self._load(path)
 
     def _lengths(self, k: int) -> list[int]:
@@ -1831,10 +1896,11 @@ class _Loaded:
     (AOTICompiledModel) parses its call spec and flattens and unflattens every call with
     pytree (63 tensors a SmolLM2 step), a cost this avoids on every step."""
 
-    def __init__(self, compiled) -> None:
+    def __init__(self, compiled, held: dict | None = None) -> None:
         from torch.utils import _pytree as pytree
 
         self.compiled = compiled
+        self.held = held  # the model's tensors the program runs on (kept alive with it)
         self._run = compiled.loader.boxed_run
         self._out = pytree.treespec_loads(compiled.loader.get_call_spec()[1])
         self._unflatten = pytree.tree_unflatten

@@ -35,6 +35,11 @@ from .kernels import int8_mm_available
 _FP8 = torch.float8_e4m3fn
 
 
+# The non-persistent buffers that hold a QuantLinear's kernel forms of its weights (_prepare):
+# state_dict leaves them out, and model_fingerprint, which keys compiled programs, skips them.
+FORM_PREFIX = "_form"
+
+
 class QuantLinear(nn.Module):
     """A Linear whose weight is stored quantized; ``dequantize()`` is the reference."""
 
@@ -56,6 +61,7 @@ class QuantLinear(nn.Module):
         self.act_quant: str | None = None  # "int8-token": W8A8, activations quantized per row
         self.act_note: str | None = None  # why the checkpoint's activation scheme is not run
         self._packed: dict = {}  # kernel-specific forms, built on first use per device
+        self._a16: bool | None = None  # whether fp32 rows take int8_a16_mm (_a16_operands)
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -137,10 +143,13 @@ class QuantLinear(nn.Module):
         # and dtype are read off a probe, since ``fn`` is opaque.
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.scale.device))
         self.dtype = probe.dtype
+        for k in [k for k in self._buffers if k.startswith(FORM_PREFIX)]:
+            del self._buffers[k]
         for k, b in self._buffers.items():
             if b is not None:
                 self._buffers[k] = fn(b) if k == "bias" else b.to(probe.device)
         self._packed = {}
+        self._a16 = None
         return self
 
     # -- reference ------------------------------------------------------------------------
@@ -184,15 +193,15 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         shape = x.shape
-        ops = self._packed.get("a16")
-        if ops is None:
-            ops = self._a16_operands()
-        if (ops and x.dtype == torch.float32 and x.numel() <= self._a16_numel
+        ok = self._a16
+        if ok is None:
+            ok = bool(self._a16_operands())
+        if (ok and x.dtype == torch.float32 and x.numel() <= self._a16_numel
                 and int8_mm_available()):
             # The path below for its commonest case, without its checks and no-op
             # conversions: an uncompiled step (a server's batched pass) makes ~200 of these
             # calls, where they cost more than the kernel. Same op, same operands, same bits.
-            out = torch.ops.mtpkit.int8_a16_mm(x.reshape(-1, shape[-1]), *ops)
+            out = torch.ops.mtpkit.int8_a16_mm(x.reshape(-1, shape[-1]), *self.a8_operands())
             if out.shape[1] != self.out_features:
                 out = out[:, : self.out_features]
             if self.bias is not None:
@@ -289,23 +298,46 @@ class QuantLinear(nn.Module):
     def _a16_operands(self) -> tuple | bool:
         # int8_a16_mm's operands where _cpu_int takes that kernel for fp32 rows (per-channel
         # int8 weights on a CPU, no activation quantization, permutation or zero points),
-        # else False; decided once a device (_apply clears _packed).
-        ops = self._packed.get("a16")
-        if ops is None:
-            ok = (self.kind == "int" and self.bits == 8 and self.group_size is None
-                  and self.act_quant is None and self.perm is None and self.zero is None
-                  and self.codes.device.type == "cpu")
-            ops = self._packed["a16"] = self.a8_operands() if ok else False
-        return ops
+        # else False; decided once a device (_apply forgets it).
+        if self._a16 is None:
+            self._a16 = (self.kind == "int" and self.bits == 8 and self.group_size is None
+                         and self.act_quant is None and self.perm is None
+                         and self.zero is None and self.codes.device.type == "cpu")
+        return self.a8_operands() if self._a16 else False
 
     def a8_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """W8A8's packed weights, scales and column sums (pack_a8), built once."""
         return self._prepare("a8", lambda: pack_a8(self.codes, self.scale[:, 0]))
 
     def _prepare(self, key, build):
-        if key not in self._packed:
-            self._packed[key] = build()
-        return self._packed[key]
+        # A form of the weights for one kernel, built on first use (per device: _apply
+        # forgets them). Its tensors are non-persistent buffers (FORM_PREFIX), read back
+        # from _buffers on every call: a program traced through this module then names
+        # them by the module's path, as it names parameters, and a compiled package takes
+        # them from the model when it is loaded instead of holding a copy of its own
+        # (engine/fast.py). Held in a dict, they were anonymous constants it had to copy.
+        got = self._packed.get(key)
+        if got is None:
+            value = build()
+            if isinstance(value, torch.Tensor):
+                got = ("one", self._keep(value))
+            elif isinstance(value, tuple) and all(isinstance(t, torch.Tensor) for t in value):
+                got = ("many", tuple(self._keep(t) for t in value))
+            else:
+                got = ("value", value)
+            self._packed[key] = got
+        how, what = got
+        if how == "one":
+            return self._buffers[what]
+        if how == "many":
+            b = self._buffers
+            return tuple(b[n] for n in what)
+        return what
+
+    def _keep(self, t: torch.Tensor) -> str:
+        name = f"{FORM_PREFIX}{sum(k.startswith(FORM_PREFIX) for k in self._buffers)}"
+        self.register_buffer(name, t, persistent=False)
+        return name
 
     def _pack_a4(self):
         # int4_a8_mm's layout (csrc/int4_a8_mm.cpp): u = code + 8; columns in blocks of 16
