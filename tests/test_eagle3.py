@@ -1,4 +1,5 @@
-"""EAGLE-3 heads: drafting stays lossless, the head computes what vLLM's
+"""EAGLE-3 heads: drafting stays lossless on the eager engine, the fast path and the server,
+the fast path drafts as the eager engine does, the head computes what vLLM's
 Eagle3LlamaForCausalLM computes from the exported folder, calibrate trains one, and
 llama.cpp's converter and llama-server run the export (when MTPKIT_LLAMA_SERVER and
 MTPKIT_LLAMA_CONVERTER are given) with its output and acceptance as mtpkit's.
@@ -18,6 +19,7 @@ import tiny
 import torch
 from safetensors.torch import load_file
 from test_families import assert_same_sampled_distribution
+from test_fast import _fast
 from test_llama_cpp import (
     LlamaServer,
     _bpe_tokenizer,
@@ -285,31 +287,76 @@ def test_head_format_is_checked(trunk, head, tmp_path):
         export_head(trunk[0], head, tmp_path / "mimo")
 
 
-def test_fast_path_declines_and_the_eager_engine_serves(trunk, head):
-    """The compiled path does not take an EAGLE-3 head; a session falls back to the eager
-    engine and stays lossless."""
-    from mtpkit.engine.fast import unsupported_reason
-    from mtpkit.engine.session import Session
+def test_fast_path_drafts_as_the_eager_engine(engine):
+    """The fast path runs an EAGLE-3 head (its trunk steps hand the head fc over the three
+    layers' states, its head steps attend over [norm(embedding), norm(state)] and score the
+    head's own draft vocabulary): the eager engine's tokens and its drafted and accepted
+    counts, at every depth, one sequence at a time and in the batched passes."""
+    from mtpkit.engine.fast import FastDecoder, unsupported_reason
 
-    session = Session.load(trunk[0], head=head, compile="auto")
-    assert "EAGLE-3" in unsupported_reason(session.engine.model)
-    assert session.engine.fast is None
-    ids = session.tokenizer.encode(PROMPTS[2])
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    assert (session.complete(ids, params, 3).token_ids
-            == session.complete(ids, params, 0).token_ids)
+    assert unsupported_reason(engine.model) is None
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    assert dec.programs.eagle3 and torch.equal(dec.programs.vocab, engine.model.mtp.target_ids())
+    accepted = 0
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        plain, _ = _run(engine, ids, 0, max_tokens=24, ignore_eos=True)
+        for k in range(4):
+            got, res = _fast(dec, ids, k)
+            want, ref = _run(engine, ids, k, max_tokens=24, ignore_eos=True)
+            assert got == want == plain, (prompt, k)
+            m, r = res.metrics, ref.metrics
+            assert (m.num_draft_tokens, m.num_accepted_tokens) == \
+                (r.num_draft_tokens, r.num_accepted_tokens), (prompt, k)
+            accepted += m.num_accepted_tokens
+    assert accepted > 0
+    # Batched rounds (a server's step over several sequences) against each sequence alone.
+    pr = dec.programs
+    items = []
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        d = dec.fork()
+        first, drafts, _ = d.prefill(ids, 2)
+        tokens = torch.cat([first.view(1), drafts]).view(1, -1)
+        pos0 = torch.tensor([len(ids)])
+        items.append((tokens, pos0, d.kc, d.vc, d.hk, d.hv, d.span(len(ids) + 3)))
+    with torch.inference_mode():
+        alone = [pr.round(*it[:7], 2) for it in items]
+        together = pr.round_many(items, 2)
+    for (out, ps), (out2, ps2) in zip(alone, together, strict=True):
+        assert torch.equal(out, out2)
+        torch.testing.assert_close(ps, ps2)
 
 
-def test_server_scheduler_runs_the_head_exactly(engine):
-    """The server's scheduler (packed trunk passes, chunked prefill) emits the engine's
-    tokens with an EAGLE-3 head drafting."""
+def test_fast_path_samples_the_trunks_distribution(engine):
+    """Sampling (T=0.7) through the fast path with the head drafting from its own
+    vocabulary: token frequencies at depths 2 and 4 match those without drafts."""
+    from mtpkit.engine.fast import FastDecoder
+
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    ids = engine.tokenizer.encode(PROMPTS[1])
+
+    def sample(k, seed):
+        res = Result()
+        params = SamplingParams(max_tokens=4, temperature=0.7, seed=seed, ignore_eos=True)
+        return list(dec.generate(ids, 4, k, result=res, eos_ids=set(), params=params)), res
+
+    assert_same_sampled_distribution(sample, 250, VOCAB)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "fast"])
+def test_server_scheduler_runs_the_head_exactly(engine, fast):
+    """The server's scheduler (packed trunk passes, chunked prefill; or the fast path's
+    pooled programs) emits the engine's tokens with an EAGLE-3 head drafting."""
     import threading
 
+    from mtpkit.engine.fast import FastDecoder
     from mtpkit.serve.scheduler import Request, Scheduler
 
+    dec = FastDecoder(engine.model, backend="eager", max_len=128) if fast else None
     sched = Scheduler(engine.model, engine.tokenizer, drafter=engine.drafter,
                       num_draft_tokens=3, max_num_seqs=2, max_queue=8, max_model_len=512,
-                      prefill_chunk=4)
+                      prefill_chunk=4, fast=dec)
     try:
         done, texts = [], {}
         cv = threading.Condition()

@@ -99,10 +99,9 @@ DEFAULT_MAX_LEN = 2048  # cache positions of a FastDecoder unless the model's co
 def unsupported_reason(model) -> str | None:
     """Why ``model`` cannot take the fast path (None when it can)."""
     layers = list(model.model.layers)
-    if is_eagle3(model.mtp):
-        # Its steps read three trunk states and its own lm_head, which the programs lack.
-        return "EAGLE-3 heads run on the eager engine"
-    if model.mtp is not None:
+    # An EAGLE-3 head's layer attends over [norm(embedding), norm(state)] (Programs.head);
+    # an MTP head's is a plain decoder layer, checked with the trunk's.
+    if model.mtp is not None and not is_eagle3(model.mtp):
         if len(model.mtp.layers) != 1:
             return "MTP heads with more than one layer are not supported"
         if len(getattr(model.mtp, "heads", ())):
@@ -220,8 +219,11 @@ class Programs(nn.Module):
         # A trunk of them, alike in norm epsilons, heads and MLP width, as one op.
         shapes = {(b.input_layernorm.eps, b.post_attention_layernorm.eps, b.self_attn.num_heads,
                    b.mlp.down_proj.in_features) for b in layers}
+        # Not under an EAGLE-3 head: it reads states from inside the trunk, which the one op
+        # does not give.
+        self.eagle3 = is_eagle3(model.mtp)
         self.w8a8_trunk = (forms.trunk and len(layers) > 0 and all(self.w8a8_blocks)
-                           and len(shapes) == 1)
+                           and len(shapes) == 1 and not self.eagle3)
         # Whether every compiled trunk step runs as that one op (_w8a8_whole's conditions
         # that do not depend on a call), so that the steps can take the caches stacked
         # (FastDecoder.kv).
@@ -238,7 +240,11 @@ class Programs(nn.Module):
         self.register_buffer("rope_cos", None)
         self.register_buffer("rope_sin", None)
         self.register_buffer("vocab", None)
-        if model.mtp is not None and draft_vocab is not None and len(draft_vocab):
+        if self.eagle3:
+            # Its own lm_head scores its own draft vocabulary (draft_logits), row j standing
+            # for target token j + d2t[j]; a separately given vocabulary cannot apply.
+            self.register_buffer("vocab", model.mtp.target_ids())
+        elif model.mtp is not None and draft_vocab is not None and len(draft_vocab):
             dev = model.model.embed_tokens.weight.device
             self.register_buffer("vocab", draft_vocab.to(dev, torch.long))
             # The lm_head rows the draft scores, a layer of its own in the lm_head's form.
@@ -267,7 +273,8 @@ class Programs(nn.Module):
         return self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
 
     def trunk(self, ids, pos, kc, vc, span=None, rows: int | None = None):
-        """Trunk states (after, before the final norm) [1, T, D] of tokens [1, T] at pos;
+        """Trunk states [1, T, D] of tokens [1, T] at pos: after the final norm, and the
+        state the head reads (_head_state; before the final norm unless the head is EAGLE-3);
         attention reads the first len(span) cache slots (all without a span); ``rows``:
         attend that many leading rows one at a time (the rest are padding). kc, vc: a
         cache a layer, or each stacked in one tensor (FastDecoder.kv)."""
@@ -276,6 +283,7 @@ class Programs(nn.Module):
         cos, sin = self._cos_sin(pos)
         x = m.model.embed_tokens(ids)
         layers = m.model.layers
+        aux_ids, aux = m.aux_layer_ids(), []
         if (self.w8a8_trunk and all(self.w8a8_blocks)
                 and all(w8a8_whole(layer, x, kc[0], rows, self.forms) for layer in layers)):
             x = w8a8_trunk(layers, self.fused, x, cos, sin, kc, vc, pos, mask, rows)
@@ -285,22 +293,50 @@ class Programs(nn.Module):
             # Each layer would write a view of a compiled step's input: a copy of it all.
             raise RuntimeError("stacked caches compile only as one w8a8_trunk op")
         for i, layer in enumerate(layers):
+            if i in aux_ids:
+                aux.append(x)
             fused = None if self.fused is None else self.fused[i]
             if fused is not None and self.w8a8_blocks[i]:
                 x = w8a8_block(layer, x, cos, sin, kc[i], vc[i], pos, mask, rows, fused,
                                self.forms)
             else:
                 x = layer.forward_static(x, cos, sin, kc[i], vc[i], pos, mask, rows, fused)
-        return m.model.norm(x), x
+        return m.model.norm(x), self._head_state(aux_ids, aux, x)
+
+    def _head_state(self, aux_ids, aux, x):
+        # The trunk's second output: its states before the final norm, or under an EAGLE-3
+        # head the state the head's first step reads, fc over the states of the layers it
+        # reads side by side (its chained steps read their own). Every caller that hands a
+        # trunk state to the head takes this one (spec.trunk_hidden "aux" is not
+        # "post_norm"), so the head's steps run as an MTP head's do.
+        if not aux_ids:
+            return x
+        return self.model.mtp.fc(self.model.aux_states(aux_ids, aux, x))
 
     def head(self, ids, hidden, pos, hk, hv, span=None, zero_first: bool = False):
-        """One MTP step over tokens t_{i+1} [1, T] and states h_i [1, T, D] at pos."""
+        """One head step over tokens t_{i+1} [1, T] and states h_i [1, T, D] at pos."""
         mtp = self.model.mtp
-        x = self._head_input(ids, hidden, zero_first)
         cos, sin = self._cos_sin(pos)
-        x = mtp.layers[0].forward_static(x, cos, sin, hk, hv, pos,
-                                         position_mask(pos, _span(span, hk), self.groups))
+        mask = position_mask(pos, _span(span, hk), self.groups)
+        if self.eagle3:
+            return self._eagle3_over(ids, hidden, lambda attn, qkv: attn.forward_static(
+                None, cos, sin, hk, hv, pos, mask, qkv=qkv, project=False))
+        x = self._head_input(ids, hidden, zero_first)
+        x = mtp.layers[0].forward_static(x, cos, sin, hk, hv, pos, mask)
         return mtp.norm(x), x
+
+    def _eagle3_over(self, ids, g, attend):
+        # An EAGLE-3 head's step (models/eagle3.Eagle3Layer) over tokens ids [1, N] and
+        # states g [1, N, D], its heads from attend(attn, qkv) -> (after, before the head's
+        # final norm).
+        mtp = self.model.mtp
+        layer = mtp.layers[0]
+        attn = layer.self_attn
+        x = torch.cat([layer.input_layernorm(self.model.model.embed_tokens(ids)),
+                       layer.hidden_norm(g)], dim=-1)
+        r = g + attn.o_proj(attend(attn, attn.qkv(x)))
+        r = r + layer.mlp(layer.post_attention_layernorm(r))
+        return mtp.norm(r), r
 
     def _head_input(self, ids, hidden, zero_first: bool = False):
         # The head layer's input: the tokens' embeddings and the states, normed, through fc.
@@ -318,6 +354,8 @@ class Programs(nn.Module):
 
     def draft_logits(self, state):
         """The head's fp32 logits [B, N] for states [B, D] (N: the draft vocabulary's size)."""
+        if self.eagle3:
+            return self.model.mtp.logits(state)
         return self.model.logits(state) if self.vocab is None else self.draft_head(state).float()
 
     def draft_pick(self, state):
@@ -447,16 +485,19 @@ class Programs(nn.Module):
 
     def _layers_over(self, x, pos, attend):
         # The trunk's layers over rows x [1, N, D] at positions pos [N], each layer's heads
-        # from attend(i, attn, qkv, cos, sin) -> (after, before the final norm).
+        # from attend(i, attn, qkv, cos, sin) -> (after the final norm, _head_state).
         m = self.model
         cos, sin = self._cos_sin(pos)
+        aux_ids, aux = m.aux_layer_ids(), []
         for i, layer in enumerate(m.model.layers):
+            if i in aux_ids:
+                aux.append(x)
             f = None if self.fused is None else self.fused[i]
             attn = layer.self_attn
             qkv = attn.qkv(layer.input_layernorm(x), f)
             x = x + swapped(f, "o_proj", attn.o_proj)(attend(i, attn, qkv, cos, sin))
             x = x + layer.mlp(layer.post_attention_layernorm(x), f)
-        return m.model.norm(x), x
+        return m.model.norm(x), self._head_state(aux_ids, aux, x)
 
     @every_row_exact()
     def trunk_pool(self, ids, pos, slots, sizes, kpools, vpools, out):
@@ -487,11 +528,13 @@ class Programs(nn.Module):
         # The head's layer over rows ids [1, N], states [1, N, D] at positions pos [N], its
         # heads from attend(attn, qkv, cos, sin) -> (after, before the head's final norm).
         mtp = self.model.mtp
+        cos, sin = self._cos_sin(pos)
+        if self.eagle3:
+            return self._eagle3_over(ids, states, lambda attn, qkv: attend(attn, qkv, cos, sin))
         x = self._head_input(ids, states)
         layer = mtp.layers[0]
         attn = layer.self_attn
         qkv = attn.qkv(layer.input_layernorm(x))
-        cos, sin = self._cos_sin(pos)
         x = x + attn.o_proj(attend(attn, qkv, cos, sin))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return mtp.norm(x), x
@@ -650,10 +693,11 @@ _ATEN_GEMMS = {"mm", "addmm", "linear", "bmm", "baddbmm", "matmul", "_weight_int
                "_weight_int4pack_mm_for_cpu"}
 
 
-def _named_tensors(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of module by its path (shared ones under each name)."""
-    named = dict(module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False))
-    named.update(module.named_buffers(prefix=prefix.rstrip("."), remove_duplicate=False))
+def _step_tensors(programs: Programs) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of programs by the path an exported _Step names it by
+    (_Step.programs, then the module's own; shared ones under each name)."""
+    named = dict(programs.named_parameters(prefix="programs", remove_duplicate=False))
+    named.update(programs.named_buffers(prefix="programs", remove_duplicate=False))
     return named
 
 
@@ -661,7 +705,7 @@ def _runs_on_model_tensors(ep, programs: Programs) -> bool:
     """Whether an exported program can be built without its weights: every tensor it
     holds is a parameter or buffer of the model under the same name, and no aten GEMM
     takes one (inductor's CPU GEMMs want the prepacked copies freezing makes)."""
-    named = _named_tensors(programs, "programs.")
+    named = _step_tensors(programs)
     if any(n not in named for n in (*ep.state_dict, *ep.constants)):
         return False
     weights = {spec.arg.name for spec in ep.graph_signature.input_specs
@@ -1129,7 +1173,7 @@ class FastDecoder:
         compiled = torch._inductor.aoti_load_package(str(path))
         held = None
         if compiled.get_metadata().get(CONSTANTS_KEY) == "model":
-            named = _named_tensors(self.programs, "programs.")
+            named = _step_tensors(self.programs)
             want = compiled.get_constant_fqns()
             missing = [n for n in want if n not in named]
             if missing:

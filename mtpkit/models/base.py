@@ -89,13 +89,15 @@ class CausalLM(nn.Module):
             if i in aux_ids:
                 aux.append(x)
             x = layer(x, cos, sin, cache_of(i))
-        return TrunkOutput(self.model.norm(x), x, self._aux(aux_ids, aux, x))
+        return TrunkOutput(self.model.norm(x), x, self.aux_states(aux_ids, aux, x))
 
     def aux_layer_ids(self) -> tuple[int, ...]:
         """Layer ids whose input states the head reads (an EAGLE-3 head's; else none)."""
         return tuple(getattr(self.mtp, "aux_layers", ())) if self.mtp is not None else ()
 
-    def _aux(self, aux_ids, aux: list[torch.Tensor], last: torch.Tensor):
+    def aux_states(self, aux_ids, aux: list[torch.Tensor], last: torch.Tensor):
+        """The head's trunk states side by side [.., len(aux_ids) D] from the inputs of the
+        layers it reads (aux, in layer order) and the last layer's output; None without."""
         # Id num_hidden_layers names the last layer's output (before the final norm).
         if not aux_ids:
             return None

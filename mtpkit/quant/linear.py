@@ -61,7 +61,7 @@ class QuantLinear(nn.Module):
         self.act_quant: str | None = None  # "int8-token": W8A8, activations quantized per row
         self.act_note: str | None = None  # why the checkpoint's activation scheme is not run
         self._packed: dict = {}  # kernel-specific forms, built on first use per device
-        self._a16: bool | None = None  # whether fp32 rows take int8_a16_mm (_a16_operands)
+        self._a16: bool | None = None  # whether fp32 rows take int8_a16_mm (_takes_a16)
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -193,9 +193,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         shape = x.shape
-        ok = self._a16
-        if ok is None:
-            ok = bool(self._a16_operands())
+        ok = self._a16 if self._a16 is not None else self._takes_a16()
         if (ok and x.dtype == torch.float32 and x.numel() <= self._a16_numel
                 and int8_mm_available()):
             # The path below for its commonest case, without its checks and no-op
@@ -295,15 +293,19 @@ class QuantLinear(nn.Module):
                 torch.float32)))
         return a8_reference(x, self.codes, self.scale[:, 0])
 
-    def _a16_operands(self) -> tuple | bool:
-        # int8_a16_mm's operands where _cpu_int takes that kernel for fp32 rows (per-channel
-        # int8 weights on a CPU, no activation quantization, permutation or zero points),
-        # else False; decided once a device (_apply forgets it).
+    def _takes_a16(self) -> bool:
+        # Whether _cpu_int takes int8_a16_mm for fp32 rows (per-channel int8 weights on a
+        # CPU, no activation quantization, permutation or zero points); decided once a
+        # device (_apply forgets it).
         if self._a16 is None:
             self._a16 = (self.kind == "int" and self.bits == 8 and self.group_size is None
                          and self.act_quant is None and self.perm is None
                          and self.zero is None and self.codes.device.type == "cpu")
-        return self.a8_operands() if self._a16 else False
+        return self._a16
+
+    def _a16_operands(self) -> tuple | bool:
+        # int8_a16_mm's operands where _takes_a16, else False.
+        return self.a8_operands() if self._takes_a16() else False
 
     def a8_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """W8A8's packed weights, scales and column sums (pack_a8), built once."""
