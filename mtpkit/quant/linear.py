@@ -193,8 +193,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         shape = x.shape
-        ok = self._a16 if self._a16 is not None else self._takes_a16()
-        if (ok and x.dtype == torch.float32 and x.numel() <= self._a16_numel
+        if (self._takes_a16() and x.dtype == torch.float32 and x.numel() <= self._a16_numel
                 and int8_mm_available()):
             # The path below for its commonest case, without its checks and no-op
             # conversions: an uncompiled step (a server's batched pass) makes ~200 of these
@@ -302,10 +301,6 @@ class QuantLinear(nn.Module):
                          and self.act_quant is None and self.perm is None
                          and self.zero is None and self.codes.device.type == "cpu")
         return self._a16
-
-    def _a16_operands(self) -> tuple | bool:
-        # int8_a16_mm's operands where _takes_a16, else False.
-        return self.a8_operands() if self._takes_a16() else False
 
     def a8_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """W8A8's packed weights, scales and column sums (pack_a8), built once."""
