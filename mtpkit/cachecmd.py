@@ -43,7 +43,7 @@ def entries() -> list[Entry]:
     """Every compiled program and converted model in the caches, least recently used first
     (a program's mtime is its last load, a model's its conversion)."""
     from .builtin import cache_dir
-    from .engine.fast import default_cache_dir
+    from .engine.program_cache import default_cache_dir
 
     found = _programs(default_cache_dir())
     models = cache_dir()

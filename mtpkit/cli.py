@@ -192,7 +192,7 @@ def _warmup_args(sub) -> None:
 
 
 def _cmd_warmup(a) -> int:
-    from .engine.fast import unsupported_reason
+    from .engine.programs import unsupported_reason
     from .engine.session import Session
 
     if a.num_draft_tokens < 0:
@@ -216,7 +216,7 @@ def _cmd_warmup(a) -> int:
     fast.warmup_pooled()  # what `mtpkit serve` runs for several requests at once
     st = fast.stats
     print(f"compiled programs for {session.name}: {st.compiled} built, {st.loaded} already "
-          f"there, in {fast.cache_dir} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+          f"there, in {fast.cache.dir} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return 0
 
 

@@ -22,6 +22,7 @@ import time
 from mtpkit import threads
 from mtpkit.bench.prompts import BUILTIN
 from mtpkit.engine import fast as fast_mod
+from mtpkit.engine.programs import Programs
 from mtpkit.engine.sampling import SamplingParams
 from mtpkit.engine.session import Session
 from mtpkit.serve.scheduler import Request, Scheduler
@@ -57,7 +58,7 @@ def main(c: int = 4, passes: int = 8, requests: int = 32) -> None:
     calib = [[0, 0] for _ in range(10)]  # first drafts by probability tenth: n, accepted
     seen: dict = {}
     run_many, lean_round = fast_mod.FastDecoder.run_many, fast_mod.FastDecoder._lean_round
-    round_many = fast_mod.Programs.round_many
+    round_many = Programs.round_many
 
     def lean_round_timed(self, *args):
         seen["lean"] = True
@@ -91,7 +92,7 @@ def main(c: int = 4, passes: int = 8, requests: int = 32) -> None:
 
     fast_mod.FastDecoder.run_many = run_many_timed
     fast_mod.FastDecoder._lean_round = lean_round_timed
-    fast_mod.Programs.round_many = round_many_timed
+    Programs.round_many = round_many_timed
     prompts = [session.tokenizer.encode(p.text) for p in BUILTIN]
 
     def run(n: int) -> float:

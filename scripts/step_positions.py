@@ -19,9 +19,10 @@ import torch
 
 def main(path: str) -> None:
     """Print ms a call for decode and round, fixed and advancing, and the real loop."""
-    from mtpkit.engine.fast import SPAN_STEP, FastDecoder
+    from mtpkit.engine.fast import FastDecoder
     from mtpkit.engine.generate import Engine
     from mtpkit.engine.loader import load_model
+    from mtpkit.engine.programs import SPAN_STEP
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(2)

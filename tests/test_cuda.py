@@ -13,9 +13,10 @@ import pytest
 import torch
 from tiny import FAMILY_IDS, VOCAB
 
-from mtpkit.engine.fast import FastDecoder, dynamo_graphs
+from mtpkit.engine.fast import FastDecoder
 from mtpkit.engine.generate import Engine, Result
 from mtpkit.engine.loader import load_model
+from mtpkit.engine.program_cache import dynamo_graphs
 from mtpkit.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

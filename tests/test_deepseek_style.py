@@ -566,8 +566,8 @@ def test_several_mtp_layers_greedy_equal_and_per_position(three_layer_head):
     counted per draft position; the fast path declines the head (eager engine)."""
     from test_families import PROMPTS, _run
 
-    from mtpkit.engine.fast import unsupported_reason
     from mtpkit.engine.generate import Engine
+    from mtpkit.engine.programs import unsupported_reason
 
     _, model = three_layer_head
     assert unsupported_reason(model) is not None

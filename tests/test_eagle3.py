@@ -292,7 +292,8 @@ def test_fast_path_drafts_as_the_eager_engine(engine):
     layers' states, its head steps attend over [norm(embedding), norm(state)] and score the
     head's own draft vocabulary): the eager engine's tokens and its drafted and accepted
     counts, at every depth, one sequence at a time and in the batched passes."""
-    from mtpkit.engine.fast import FastDecoder, unsupported_reason
+    from mtpkit.engine.fast import FastDecoder
+    from mtpkit.engine.programs import unsupported_reason
 
     assert unsupported_reason(engine.model) is None
     dec = FastDecoder(engine.model, backend="eager", max_len=128)

@@ -10,17 +10,15 @@ import torch
 from torch import nn
 
 import mtpkit.engine.fast as fast_mod
+import mtpkit.engine.program_cache as pcache
 import mtpkit.models.cache as cache_mod
-from mtpkit.engine.fast import (
-    FastDecoder,
-    W8A8Forms,
-    dynamo_graphs,
-    enable_fast,
-    unsupported_reason,
-)
+from mtpkit.engine.fast import FastDecoder, enable_fast
 from mtpkit.engine.generate import Engine, Result
+from mtpkit.engine.program_cache import ProgramCache, dynamo_graphs
+from mtpkit.engine.programs import unsupported_reason
 from mtpkit.engine.sampling import SamplingParams
 from mtpkit.quant.linear import FORM_PREFIX
+from mtpkit.quant.w8a8_layer import W8A8Forms
 
 # Attention + SwiGLU families take the fast path; the others must say why they do not.
 FAST = ["llama", "llama_tied", "qwen2", "qwen3", "mimo"]
@@ -131,7 +129,7 @@ def test_short_prompts_run_through_the_pooled_programs(engine_factory, monkeypat
     cut into pieces, as a server's prefill chunks cut it, it leaves the same trunk caches
     and first token, bit for bit (the head's GEMMs may round by row count: its drafts never
     change the output). A longer prompt runs the eager trunk (SDPA)."""
-    from mtpkit.engine.fast import POOL_MAX_ROWS
+    from mtpkit.engine.programs import POOL_MAX_ROWS
 
     engine = engine_factory("llama")
     dec = FastDecoder(engine.model, backend="eager", max_len=POOL_MAX_ROWS + 64)
@@ -514,7 +512,7 @@ def test_w8a8_block_ops_match_per_gemm_layers(quantized_engines):
 def test_quantized_models_take_the_fast_path_exactly(scheme, quantized_engines):
     """int8/int4 trunks decode through the fast path with the eager engine's tokens, at every
     draft depth the path serves on them (any depth on row-exact trunks)."""
-    from mtpkit.engine.fast import QUANT_ROWS
+    from mtpkit.engine.programs import QUANT_ROWS
 
     engine = quantized_engines[scheme]
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
@@ -534,7 +532,7 @@ def test_quantized_compiled_programs_stay_exact(quantized_engines, capsys):
     """Compiled int8 programs (one row count for every step, CPU GEMM templates, row-wise
     attention) keep MTP lossless: every k they serve gives the compiled k = 0 tokens, and
     a deeper k runs at the deepest exact one, with a note (the sweep tool refuses it)."""
-    from mtpkit.engine.fast import QUANT_ROWS
+    from mtpkit.engine.programs import QUANT_ROWS
 
     engine = quantized_engines["w8a16"]
     dec = FastDecoder(engine.model, backend="inductor", mode="max-autotune", max_len=128)
@@ -609,7 +607,7 @@ def test_aoti_programs_call_mtpkit_kernels_directly(quantized_engines, tmp_path,
     # every step's logits around and changes what they decode as it does the eager
     # engine's, and undoing it restores the tokens.
     decode = dec.program("decode", 1, 0)
-    assert decode.compiled.get_metadata()[fast_mod.CONSTANTS_KEY] == "model"
+    assert decode.compiled.get_metadata()[pcache.CONSTANTS_KEY] == "model"
     held = list(decode.held.values())
     forms = [n for n in decode.held if n.rsplit(".", 1)[-1].startswith(FORM_PREFIX)]
     assert bool(forms) == (scheme != "fp32")
@@ -657,14 +655,15 @@ def test_programs_hold_weights_only_where_a_gemm_of_inductor_takes_them():
     for how in ("pointwise", "gemm", "dict"):
         outer = Outer(how)
         ep = torch.export.export(outer, (torch.randn(2, 8),), strict=False)
-        got[how] = fast_mod._runs_on_model_tensors(ep, outer.programs)
+        got[how] = pcache._runs_on_model_tensors(ep, outer.programs)
     assert got == {"pointwise": True, "gemm": False, "dict": False}
 
 
 def test_program_keys_tell_w8a8_from_w8a16(quantized_engines):
     """W8A8 and W8A16 copies of one model hold the same int8 codes and scales; their
     compiled programs differ (activations quantized or not) and must not share a key."""
-    from mtpkit.engine.fast import Programs, model_fingerprint
+    from mtpkit.engine.program_cache import model_fingerprint
+    from mtpkit.engine.programs import Programs
 
     a8, w8 = quantized_engines["w8a8-lm"].model, quantized_engines["w8a16-lm"].model
     assert torch.equal(a8.lm_head.codes, w8.lm_head.codes)
@@ -675,7 +674,8 @@ def test_program_keys_do_not_depend_on_which_kernel_forms_exist(quantized_engine
     """A layer's kernel forms are buffers built on first use (QuantLinear._prepare): the
     key of a program must be the same whether a process has built them yet or not, else a
     later process would never find the programs an earlier one built."""
-    from mtpkit.engine.fast import Programs, model_fingerprint
+    from mtpkit.engine.program_cache import model_fingerprint
+    from mtpkit.engine.programs import Programs
     from mtpkit.quant.linear import FORM_PREFIX, QuantLinear
 
     model = quantized_engines["w8a16"].model
@@ -763,7 +763,7 @@ def test_forks_stepped_together_keep_each_sequences_tokens(name, pooled, engine_
             dec.fork(3)
     else:
         forks = [dec.fork() for _ in range(3)]
-    assert forks[0].programs is dec.programs and forks[0]._fns is dec._fns
+    assert forks[0].programs is dec.programs and forks[0].cache is dec.cache
     assert forks[0].kv[0] is not forks[1].kv[0] and forks[0].hk is not dec.hk
     long_prompt = [(7 * i) % 90 + 1 for i in range(23)]
     prompts = [PROMPTS[1], long_prompt, PROMPTS[0]]
@@ -793,7 +793,7 @@ def test_forks_stepped_together_keep_each_sequences_tokens(name, pooled, engine_
     if name in ("llama", "qwen3"):
         assert want == [_eager(engine, p, 3)[0] for p in prompts]
     if pooled:
-        assert {key[0] for key in dec._fns} >= {"trunk_pool", "head_pool"}
+        assert {key[0] for key in dec.cache.fns} >= {"trunk_pool", "head_pool"}
 
 
 def test_many_forks_past_the_kernels_row_limit_keep_each_sequences_tokens(quantized_engines,
@@ -881,7 +881,7 @@ def test_trunk_rows_give_each_row_its_lone_bits(name, engine_factory, quantized_
                 # Its lone pass runs the fused W8A8 trunk op: the reference here is the
                 # per-sequence attention the batched pass made before (_attention).
                 with monkeypatch.context() as m:
-                    m.setattr(fast_mod, "_seqs_kernel_fits", lambda x, buf: False)
+                    m.setattr("mtpkit.engine.programs._seqs_kernel_fits", lambda x, buf: False)
                     ((want, want_pre),) = pr.trunk_rows([(ids, pos, kc, vc, span)])
             else:
                 want, want_pre = pr.trunk(ids, pos, kc, vc, span, ids.shape[1])
@@ -898,7 +898,7 @@ def test_auto_backend_runs_uncompiled_until_programs_exist(engine_factory, tmp_p
     for k in (0, 2):
         assert _fast(dec, PROMPTS[0], k)[0] == _eager(engine, PROMPTS[0], k)[0]
     assert dec.stats.compiled == dec.stats.loaded == 0 and not list(tmp_path.iterdir())
-    path = dec._aoti_path("round", 3, 2)
+    path = dec.cache.path("round", 3, 2)
     assert path.parent == tmp_path and path.name.startswith("round-")
 
 
@@ -911,19 +911,19 @@ def test_auto_backend_adopts_programs_built_meanwhile(engine_factory, tmp_path, 
     dec = FastDecoder(engine.model, backend="auto", max_len=128, cache_dir=tmp_path)
     twin = dec.fork()
     uncompiled = dec.program("decode")
-    path = dec._aoti_path("decode", 1, 0)
+    path = dec.cache.path("decode", 1, 0)
     assert dec.pending == [path] and twin.pending == [path]
     built = object()
-    monkeypatch.setattr(FastDecoder, "_load", lambda self, p: built if p == path else 1 / 0)
+    monkeypatch.setattr(ProgramCache, "_load", lambda self, p: built if p == path else 1 / 0)
     path.write_bytes(b"built")
-    dec._looked[0] = time.monotonic()
+    dec.cache._looked = time.monotonic()
     assert dec.program("decode") is uncompiled  # looked too recently
-    monkeypatch.setattr(fast_mod, "ADOPT_EVERY_S", 0.0)
+    monkeypatch.setattr(pcache, "ADOPT_EVERY_S", 0.0)
     assert twin.program("decode") is built and dec.program("decode") is built
     assert dec.pending == []
     # A broken file: logged, dropped from the pending list, the uncompiled program kept.
     step = dec.program("round", 2, 1)
-    broken = dec._aoti_path("round", 2, 1)
+    broken = dec.cache.path("round", 2, 1)
     broken.write_bytes(b"not a program")
     assert dec.program("round", 2, 1) is step and dec.pending == []
 
@@ -1117,12 +1117,12 @@ def test_programs_are_keyed_by_their_own_family_sources_only(engine_factory):
     """A program's key covers the code it is traced from: this family's file and the
     shared model modules, not the other families' files (editing those must not make
     every user rebuild), and never leaves out a file its classes come from."""
-    from mtpkit.engine.fast import traced_sources
+    from mtpkit.engine.program_cache import traced_sources
     from mtpkit.models.registry import FAMILIES
 
     engine = engine_factory("llama")
     names = {f.name for f in traced_sources(engine.model)}
-    assert {"fast.py", "linear.py", "w8a8_layer.py", "llama.py", "layers.py", "attention.py",
+    assert {"programs.py", "linear.py", "w8a8_layer.py", "llama.py", "layers.py", "attention.py",
             "mtp.py", "base.py", "cache.py", "config.py"} <= names
     others = {f"{module}.py" for module, _ in FAMILIES.values()} - {"llama.py"}
     assert not names & others
@@ -1135,7 +1135,7 @@ def test_programs_are_keyed_by_their_own_family_sources_only(engine_factory):
 def test_program_keys_ignore_comments_not_code(engine_factory, tmp_path, monkeypatch):
     """Editing a comment or the layout of a traced file keeps the programs' key (a rebuild
     costs every user minutes); editing code, or a string, changes it."""
-    from mtpkit.engine import fast
+    from mtpkit.engine import program_cache as fast
 
     engine = engine_factory("llama")
     files = []
@@ -1154,7 +1154,7 @@ def test_program_keys_ignore_comments_not_code(engine_factory, tmp_path, monkeyp
 
     base = key()
     edit("\nimport ", "\n# a new comment\n\n\nimport ")
-    edit("import hashlib\n", "import hashlib  # and a trailing one\n")
+    edit("import torch\n", "import torch  # and a trailing one\n")
     assert key() == base
     edit("SPAN_STEP = ", "SPAN_STEP = 1 + ")
     changed = key()

@@ -347,7 +347,7 @@ def test_steps_past_the_last_layer_cycle(name, distinct, checkpoint_factory):
 def test_fast_path_refuses_own_heads(checkpoint_factory):
     """The compiled path scores drafts with the lm_head: it does not take a model whose MTP
     layer has an output head of its own."""
-    from mtpkit.engine.fast import unsupported_reason
+    from mtpkit.engine.programs import unsupported_reason
 
     model = _load(checkpoint_factory("llama")).model
     assert unsupported_reason(model) is None

@@ -350,7 +350,8 @@ def cmd_offline(a) -> int:
 
 def cmd_steps(a) -> int:
     """Print (or dump as JSON) the per-step cost table."""
-    from ..engine.fast import BACKENDS, unsupported_reason
+    from ..engine.program_cache import BACKENDS
+    from ..engine.programs import unsupported_reason
     from ..engine.session import Session
     from .steps import steps_report
 

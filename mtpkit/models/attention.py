@@ -182,7 +182,7 @@ class Attention(nn.Module):
         """Attention of x [1, T, D] at positions pos [T] over static buffers [1, Hkv, L, hd]
         (keys <= a row's position, position_mask), writing the rows' keys and values first;
         ``rows``: attend the first ``rows`` rows one query row at a time (the rest are
-        padding, engine/fast.Programs); ``fused``: the step's kernel forms of the
+        padding, engine/programs.Programs); ``fused``: the step's kernel forms of the
         projections; ``qkv``: the q/k/v output [1, T, Nq + 2 Nkv] already computed (x
         unused); ``project=False``: the heads' output [1, T, H * hd] before o_proj."""
         q, gate = self.cached_heads(x, cos, sin, kbuf, vbuf, pos, fused, qkv)

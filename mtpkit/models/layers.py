@@ -52,7 +52,7 @@ class MLP(nn.Module):
 
 def swapped(fused: nn.ModuleDict | None, name: str, default: nn.Module) -> nn.Module:
     """The layer ``name`` in a step's own kernel form where ``fused`` holds one (the fast
-    path's row-exact or stacked layers, engine/fast.Programs), else the model's own."""
+    path's row-exact or stacked layers, engine/programs.Programs), else the model's own."""
     return fused[name] if fused is not None and name in fused else default
 
 

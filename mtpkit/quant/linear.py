@@ -312,7 +312,7 @@ class QuantLinear(nn.Module):
         # from _buffers on every call: a program traced through this module then names
         # them by the module's path, as it names parameters, and a compiled package takes
         # them from the model when it is loaded instead of holding a copy of its own
-        # (engine/fast.py). Held in a dict, they were anonymous constants it had to copy.
+        # (engine/programs.py). Held in a dict, they were anonymous constants it had to copy.
         got = self._packed.get(key)
         if got is None:
             value = build()
@@ -508,7 +508,7 @@ def every_row_exact():
 class RowExactLinear(nn.Module):
     """An fp32 Linear through mtpkit's ``f32_mm`` kernel: each output row the same bits
     whatever rows are computed with it, which the compiled fp32 path needs for exact
-    speculative rounds (engine/fast.py). Shares the wrapped layer's weight (no copy), or
+    speculative rounds (engine/programs.py). Shares the wrapped layer's weight (no copy), or
     with ``weight_dtype`` (float16, bfloat16) holds it in that precision: the kernel widens
     it exactly and sums in float32, reading half the bytes a step."""
 

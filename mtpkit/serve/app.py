@@ -593,7 +593,7 @@ def _build_in_background(cfg: ServeConfig, k: int):
     import subprocess
 
     from .. import threads
-    from ..engine.fast import default_cache_dir
+    from ..engine.program_cache import default_cache_dir
 
     cmd = [sys.executable, "-m", "mtpkit.cli", "warmup", "-k", str(k), "--device", cfg.device,
            # The programs' key holds the thread count: build for the server's.
