@@ -675,6 +675,47 @@ def _served_texts(sched, ref: Reference, prompts: list[str], temps: list[float],
     return [texts[i] for i in range(len(prompts))]
 
 
+def test_a_rounds_events_reach_the_server_in_one_delivery(ref):
+    """With ``deliver`` (what the server passes), the events the engine thread posts in a
+    round go out in one call: several requests' events a call, each request's in order,
+    none through its on_event; the text is the engine's."""
+    from mtpkit.serve.scheduler import Request
+
+    deliveries: list[int] = []
+    direct: list[tuple] = []
+    texts: dict[str, str] = {}
+    done = {str(i): threading.Event() for i in range(3)}
+
+    def take(rid, ev):
+        if ev[0] == "text":
+            texts[rid] = texts.get(rid, "") + ev[1]
+        else:
+            done[rid].set()
+
+    def deliver(items):
+        deliveries.append(len(items))
+        for req, ev in items:
+            take(req.id, ev)
+
+    sched = _scheduler(ref, fast=True, deliver=deliver)
+    prompts = ["def f(x):", "import os\n", "class A:\n    pass\n"]
+    reqs = [Request(str(i), ref.ids(p), SamplingParams(max_tokens=16, ignore_eos=True,
+                                                        temperature=0), direct.append)
+            for i, p in enumerate(prompts)]
+    try:
+        for r in reqs:
+            sched.submit(r)
+        for e in done.values():
+            assert e.wait(120)
+    finally:
+        sched.stop()
+    assert not direct
+    assert max(deliveries) > 1 and len(deliveries) < sum(deliveries)
+    for r, p in zip(reqs, prompts, strict=True):
+        want, _ = ref.run(ref.ids(p), 16, 3, ignore_eos=True)
+        assert texts[r.id] == want and r.finish_reason == "length"
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["eager", "fast"])
 def test_long_prefill_is_interleaved_with_running_streams(ref, fast):
     from mtpkit.serve.prometheus import ServeStats

@@ -2,7 +2,8 @@
 
 The port is bound before the model loads, so that /health can answer 503 while it loads;
 the engine runs in its own threads (scheduler.py) and talks to request handlers through
-per-request asyncio queues fed with ``call_soon_threadsafe``.
+per-request asyncio queues fed with ``call_soon_threadsafe``, a round's events of the fast
+path in one call (Scheduler's ``deliver``).
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ class ServerState:
             model, tok, drafter=session.engine.drafter if k else None, num_draft_tokens=k,
             max_num_seqs=cfg.max_num_seqs, max_queue=cfg.max_queue, max_model_len=max_len,
             prefill_chunk=cfg.prefill_chunk, stats=self.stats, packed=cfg.packed, fast=fast,
+            deliver=_deliver,
         )
         how = "eager engine"
         if fast is not None:
@@ -387,8 +389,7 @@ def create_app(state: ServerState) -> FastAPI:
             ids = await loop.run_in_executor(state.pool, state.tokenize, g)
             g.params.max_tokens = state.fit(g, len(ids))
             queue: asyncio.Queue = asyncio.Queue()
-            req = EngineRequest(P.new_id(chat), ids, g.params,
-                                lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+            req = EngineRequest(P.new_id(chat), ids, g.params, _Sink(loop, queue))
             try:
                 sched.submit(req)
             except QueueFull as e:
@@ -476,6 +477,35 @@ def create_app(state: ServerState) -> FastAPI:
                 state.sched.abort(req)
 
     return app
+
+
+class _Sink:
+    """A request's events into its asyncio queue, from any thread (Request.on_event)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, event: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+def _deliver(items: list[tuple[EngineRequest, tuple]]) -> None:
+    """Events of several requests, from the engine thread, into their queues in one wake-up
+    of each loop (Scheduler's ``deliver``), each request's in the order posted."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
+    for req, event in items:
+        sink = req.on_event
+        if isinstance(sink, _Sink):
+            by_loop.setdefault(sink.loop, []).append((sink.queue, event))
+        else:
+            sink(event)
+    for loop, events in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, events)
+
+
+def _put_all(events: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)
 
 
 def _parse(raw: bytes, chat: bool) -> P.GenRequest:

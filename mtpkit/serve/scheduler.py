@@ -212,7 +212,7 @@ class _Worker:
 
     def _post(self, event: tuple) -> None:
         try:
-            self.req.on_event(event)
+            self.sched._send(self.req, event)
         except Exception:  # the client side is gone (loop closed): nothing to tell
             log.debug("request %s: event dropped", self.req.id, exc_info=True)
 
@@ -428,7 +428,8 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, *, drafter: MTPDrafter | None, num_draft_tokens: int,
                  max_num_seqs: int, max_queue: int, max_model_len: int, prefill_chunk: int,
-                 stats=None, packed: bool = True, fast=None) -> None:
+                 stats=None, packed: bool = True, fast=None,
+                 deliver: Callable[[list[tuple[Request, tuple]]], None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
         # One trunk forward per step for all running sequences (each verifying its own
@@ -457,6 +458,13 @@ class Scheduler:
         self._stopping_soon = False
         self.heartbeat = time.monotonic()
         self.turns = 0
+        # ``deliver``: the events the engine thread posts in a round (the fast path's
+        # streams) go out in one call, as [(request, event)], when the round's model work
+        # starts, rather than one request.on_event each: a server's event loop then wakes
+        # once a round and does its streaming while the model computes, where it woke for
+        # every stream and held the engine thread up between them.
+        self.deliver = deliver
+        self._outbox: list[tuple[Request, tuple]] = []
         self._thread = threading.Thread(target=self._loop, name="mtpkit-engine", daemon=True)
         self._thread.start()
 
@@ -529,12 +537,36 @@ class Scheduler:
         self._thread.join(timeout)
 
     # -- the engine thread ----------------------------------------------------------------
+    def _send(self, req: Request, event: tuple) -> None:
+        # An event for a request: held for the round's delivery where the engine thread
+        # posts it and the server batches (deliver), else sent now.
+        if self.deliver is not None and threading.current_thread() is self._thread:
+            self._outbox.append((req, event))
+        else:
+            req.on_event(event)
+
+    def _flush_outbox(self) -> None:
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        try:
+            self.deliver(items)
+        except Exception:  # the client side is gone (loop closed): nothing to tell
+            log.debug("%d events dropped", len(items), exc_info=True)
+
     def _loop(self) -> None:
+        try:
+            self._turns()
+        finally:
+            self._flush_outbox()
+
+    def _turns(self) -> None:
         turn = 0
         while True:
             with self._cv:
                 self._admit()
                 if not self._running:
+                    self._flush_outbox()
                     self.heartbeat = time.monotonic()
                     if self._stopping:
                         return
@@ -545,7 +577,9 @@ class Scheduler:
                         w.req.abort_reason, w.req.aborted = _SHUTDOWN, True
             turn %= len(self._running)
             if turn == 0:
-                # A new round: every sequence's pending model work at once.
+                # A new round: every sequence's pending model work at once, the last
+                # round's events on their way meanwhile.
+                self._flush_outbox()
                 self._run_steps()
                 if self.packed:
                     threads.tick()
