@@ -11,6 +11,7 @@ import pytest
 from mtpkit.engine.budget import (
     DRAFT_MARGIN,
     DraftOdds,
+    RoundChoices,
     RoundCosts,
     choose_drafts,
     drafting_pays,
@@ -216,3 +217,19 @@ def test_round_costs_average_recent_rounds_and_restart_after_a_gap():
     now[0] = 0.5 + RoundCosts.RESTART_S + 0.1
     costs.record(4, 0.012)
     assert costs.estimate(4) == 0.012 and costs.estimate(6) == 0.030
+
+
+def test_round_choices_measure_both_ways_then_verify_what_pays():
+    """A batch's first round verifies every draft and its second none (both costs measured);
+    then the costs and the head's probabilities choose, here the likely draft alone; a
+    round with no real drafts verifies none."""
+    rc = RoundChoices()
+    probs = [[0.9], [0.1]]
+    assert rc.drafts_to_verify(1, [1, 1], probs) == [1, 1]
+    rc.record(1, 2, 4, 0.010, lean=False)
+    assert rc.drafts_to_verify(1, [1, 1], probs) == [0, 0]
+    rc.record(1, 2, 2, 0.006, lean=False)
+    rc.record(1, 2, 3, 0.0065, lean=False)
+    # 2 tokens in 6 ms lean, 2.9 in 6.5 ms with the likely draft, 3.0 in 10 ms with both.
+    assert rc.drafts_to_verify(1, [1, 1], probs) == [1, 0]
+    assert rc.drafts_to_verify(1, [1, 1], None) == [0, 0]

@@ -12,6 +12,7 @@ from torch import nn
 import mtpkit.engine.fast as fast_mod
 import mtpkit.engine.program_cache as pcache
 import mtpkit.models.cache as cache_mod
+from mtpkit.engine.budget import RoundChoices
 from mtpkit.engine.fast import FastDecoder, enable_fast
 from mtpkit.engine.generate import Engine, Result
 from mtpkit.engine.program_cache import ProgramCache, dynamo_graphs
@@ -746,7 +747,7 @@ def test_forks_stepped_together_keep_each_sequences_tokens(name, pooled, engine_
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
     assert dec.programs.batchable
     # Every batched round drafts (the rounds that do not: test_lean_rounds_...).
-    monkeypatch.setattr(FastDecoder, "_lean", lambda self, k, n: False)
+    monkeypatch.setattr(RoundChoices, "lean", lambda self, k, n: False)
     if pooled and dec.programs.stacked_caches:
         # W8A8 trunks run as one op over caches stacked a decoder: they do not pool.
         assert not dec.make_pool(3) and dec.fork(0).slot is None
@@ -811,8 +812,8 @@ def test_many_forks_past_the_kernels_row_limit_keep_each_sequences_tokens(quanti
     prompts = [PROMPTS[i % len(PROMPTS)][: 3 + i] + [i + 1] for i in range(6)]
     want = [_fast(dec, p, 3)[0] for p in prompts]
     forks = [dec.fork() for _ in prompts]
-    dec._batch_pays = lambda *a: True
-    dec._drafts_to_verify = lambda group, k: [st.args[0].shape[1] - 1 for st in group]
+    dec.choices.batch_pays = lambda *a: True
+    dec.choices.drafts_to_verify = lambda k, full, probs: full
     gens = {i: f.steps(p, 24, 3, result=Result(), eos_ids=set())
             for i, (f, p) in enumerate(zip(forks, prompts, strict=True))}
 
@@ -940,7 +941,7 @@ def test_compiled_pool_programs_batch_any_sequences_exactly(quantized_engines, t
     dec = FastDecoder(engine.model, backend="aoti", mode="default", max_len=128,
                       cache_dir=tmp_path)
     assert dec.make_pool(4)
-    monkeypatch.setattr(FastDecoder, "_batch_pays", lambda self, kind, k, n: True)
+    monkeypatch.setattr(RoundChoices, "batch_pays", lambda self, kind, k, n: True)
     prompts = [PROMPTS[0], PROMPTS[1], [(5 * i) % 90 + 1 for i in range(11)]]
     for k in (0, 1):
         want = [_eager(engine, p, k, max_tokens=16)[0] for p in prompts]
@@ -1039,7 +1040,7 @@ def test_lean_sampled_rounds_spare_seeded_requests(engine_factory, monkeypatch):
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
     assert dec.make_pool(3)
     asked = []
-    monkeypatch.setattr(FastDecoder, "_lean",
+    monkeypatch.setattr(RoundChoices, "lean",
                         lambda self, k, n, sampled=False: asked.append(sampled) or sampled)
     seeded = SamplingParams(max_tokens=20, seed=5, **SAMPLED)
     settings = [seeded, SamplingParams(max_tokens=20, **SAMPLED),
@@ -1098,8 +1099,8 @@ def test_lean_rounds_keep_each_sequences_tokens(pooled, engine_factory, monkeypa
         assert dec.make_pool(3)
     forks = [dec.fork(i if pooled else None) for i in range(3)]
     turns = iter(range(10_000))
-    monkeypatch.setattr(FastDecoder, "_lean", lambda self, k, n: next(turns) % 3 != 0)
-    monkeypatch.setattr(FastDecoder, "_batch_pays", lambda self, kind, k, n: True)
+    monkeypatch.setattr(RoundChoices, "lean", lambda self, k, n: next(turns) % 3 != 0)
+    monkeypatch.setattr(RoundChoices, "batch_pays", lambda self, kind, k, n: True)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
     for k in (1, 3):
         want = [_fast(dec, p, k)[0] for p in prompts]
@@ -1110,7 +1111,7 @@ def test_lean_rounds_keep_each_sequences_tokens(pooled, engine_factory, monkeypa
         assert [got[i] for i in range(3)] == want, k
         for r in results:
             assert r.metrics.num_accepted_tokens <= r.metrics.num_draft_tokens
-    assert dec._lean_costs and dec._draft_seen.sequences
+    assert dec.choices.lean_costs and dec.choices.draft_seen.sequences
 
 
 def test_programs_are_keyed_by_their_own_family_sources_only(engine_factory):

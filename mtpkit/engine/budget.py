@@ -3,10 +3,11 @@
 A drafted token costs a trunk row whether it is accepted or not. One sequence alone reads
 the weights for one row or for k+1 at about the same cost, so every draft pays; several
 sequences together make the pass compute-bound, where a row can cost nearly what a token
-brings, and only drafts likely to be accepted pay. The server asks this module which drafts
-to verify in each batched round, from the head's own probabilities and the round costs it
-has measured on this machine. Verifying fewer drafts never changes the output (greedy
-verification keeps whatever prefix the trunk agrees with); it changes only the speed.
+brings, and only drafts likely to be accepted pay. The server asks this module
+(RoundChoices, which every FastDecoder keeps) which drafts to verify in each batched round,
+from the head's own probabilities and the round costs it has measured on this machine.
+Verifying fewer drafts never changes the output (greedy verification keeps whatever prefix
+the trunk agrees with); it changes only the speed.
 """
 
 from __future__ import annotations
@@ -208,3 +209,129 @@ class DraftOdds:
              margin: float = DRAFT_MARGIN) -> bool:
         """drafting_pays over the sequences kept."""
         return _pays([-e for e in self._neg], len(self._seen), n, cost, lean_seconds, margin)
+
+
+EXPLORE = 16  # a batched round in this many measures all drafts or none (drafts_to_verify)
+DRAFT_SEEN = 256  # sequences' draft probabilities whether drafting pays is judged on (lean)
+
+
+class RoundChoices:
+    """What a decoder has measured of its batched steps, and the choices it makes from it:
+    one pass for a batch or a program call each (batch_pays), whether a round drafts (lean)
+    and which drafts it verifies (drafts_to_verify). A decoder and its forks share one."""
+
+    def __init__(self) -> None:
+        self._times: dict[tuple, float] = {}  # (kind, k, sequences; 1 = a call each) -> s
+        self._counts: dict[tuple, int] = {}
+        self.round_costs: dict[tuple, RoundCosts] = {}  # (k, sequences) -> round costs
+        self.lean_costs: dict[tuple, RoundCosts] = {}  # the same, of rounds drafting nothing
+        # The head's probabilities of the drafts of recent sequences in real rounds.
+        self.draft_seen = DraftOdds(DRAFT_SEEN)
+        # The same for sampled rounds: their costs, and how often a draft at each position
+        # is accepted once those before it are.
+        self.sample_costs: dict[tuple, RoundCosts] = {}
+        self.sample_lean_costs: dict[tuple, RoundCosts] = {}
+        self.sample_accept: list[list[float]] = []  # [hits, seen] a draft position
+
+    def timed(self, key: tuple, seconds: float) -> None:
+        """Note what a call took (key: kind, k, sequences; 1 = one program), as a moving
+        average."""
+        old = self._times.get(key)
+        self._times[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def batch_pays(self, kind: str, k: int, n: int) -> bool:
+        """Whether n sequences' steps run as one pass rather than a program call each."""
+        # Batched passes run uncompiled, so where compiled programs are loaded a call each
+        # can be the faster. Each way is tried a few times before the averages decide, and
+        # the slower one again now and then, since the machine's speed moves.
+        single, batch = (kind, k, 1), (kind, k, n)
+        for key in (batch, single):
+            if self._counts.get(key, 0) < 3:
+                return key == batch
+        turn = self._counts[single] + self._counts[batch]
+        prefer = self._times[batch] <= n * self._times[single]
+        return prefer if turn % 50 else not prefer
+
+    def note_drafts(self, probs: list[float]) -> None:
+        """Keep the head's probabilities of one sequence's drafts in a real round."""
+        self.draft_seen.add(probs)
+
+    def record(self, k: int, n: int, rows: int, seconds: float, lean: bool) -> None:
+        """Note a greedy batched round of n sequences verifying rows rows."""
+        costs = self.lean_costs if lean else self.round_costs
+        costs.setdefault((k, n), RoundCosts()).record(rows, seconds)
+
+    def record_sampled(self, k: int, n: int, rows: int, seconds: float, drew: bool) -> None:
+        """Note a sampled batched round: drafting rounds draw; lean ones neither draw nor
+        verify (a trunk pass); a round that only verifies what an exploring round drew is
+        neither, and is not kept."""
+        costs = (self.sample_costs if drew
+                 else self.sample_lean_costs if rows == n else None)
+        if costs is not None:
+            costs.setdefault((k, n), RoundCosts()).record(rows, seconds)
+
+    def note_sampled(self, accepted: int, drafts: int) -> None:
+        """Note a sampled round's outcome: of its drafts, the first ``accepted`` accepted."""
+        # Each position's acceptance given the ones before it (observed up to the first
+        # rejection), counted with a decay that keeps about the last hundred.
+        chance = self.sample_accept
+        for j in range(min(accepted + 1, drafts)):
+            if j == len(chance):
+                chance.append([0.0, 0.0])
+            hits, seen = chance[j]
+            chance[j] = [0.99 * hits + (j < accepted), 0.99 * seen + 1]
+
+    def lean(self, k: int, n: int, sampled: bool = False) -> bool:
+        """Whether this batched round of n sequences drafts nothing (drafting_pays)."""
+        # At a batch size where the head's drafts cost more than their accepted tokens
+        # bring, MTP would make the server slower than no MTP: its rounds then run the
+        # trunk only. Drafting rounds that verify drafts are measured first, then a lean
+        # one; then the measured costs decide, except every EXPLORE-th round, which takes
+        # the other way to keep both costs current (and the head's probabilities known). A
+        # cost not measured lately is forgotten (RoundCosts) and measured again the same
+        # way. ``sampled``: of sampled rounds, whose costs are kept apart and whose chance
+        # of acceptance is the counted one (with one hit and one miss of prior), not the
+        # head's probabilities.
+        if sampled:
+            full, lean = self.sample_costs.get((k, n)), self.sample_lean_costs.get((k, n))
+            chance = [(h + 1) / (s + 2) for h, s in self.sample_accept][:k]
+            have_odds = bool(chance)
+
+            def pays_at(cost, lean_seconds):
+                return drafting_pays([chance], n, cost, lean_seconds)
+        else:
+            full, lean = self.round_costs.get((k, n)), self.lean_costs.get((k, n))
+            have_odds = self.draft_seen.sequences > 0
+
+            def pays_at(cost, lean_seconds):
+                return self.draft_seen.pays(n, cost, lean_seconds)
+        if (full is None or not have_odds
+                or not any(n < r <= n * (k + 1) for r in full.fresh())):
+            return False
+        lean_seconds = None if lean is None else lean.estimate(n)
+        if lean_seconds is None:
+            return True
+        pays = pays_at(full.estimate, lean_seconds)
+        return pays if (full.turns + lean.turns) % (4 * EXPLORE) == 0 else not pays
+
+    def drafts_to_verify(self, k: int, full: list[int],
+                         probs: list[list[float]] | None) -> list[int]:
+        """How many of its drafts each sequence of a batched round verifies, of ``full``
+        drafted, given the head's probabilities of them (None: a lean round's placeholders
+        or no drafts, nothing to gain)."""
+        # All of them, then none, until both costs are measured at this batch size; then
+        # what the costs and the head's probabilities say pays, except every EXPLORE-th
+        # round, which measures one row count again in turn (the machine's speed moves,
+        # and counts never chosen would stay unknown).
+        n, most = len(full), sum(full)
+        if probs is None:
+            return [0] * n
+        costs = self.round_costs.setdefault((k, n), RoundCosts())
+        if not costs.known(n + most):
+            return full
+        if not costs.known(n):
+            return [0] * n
+        if costs.turns % EXPLORE == 0:
+            return top_drafts(probs, costs.turns // EXPLORE % (most + 1))
+        return choose_drafts(probs, costs.estimate)

@@ -30,7 +30,7 @@ from ..models.cache import zeros
 from ..quant.kernels import int8_mm_available
 from ..quant.w8a8_layer import W8A8Forms
 from .accept import accept_sampled
-from .budget import DraftOdds, RoundCosts, choose_drafts, drafting_pays, top_drafts
+from .budget import RoundChoices
 from .generate import Result, draw_draft, emit
 from .program_cache import CompileStats, ProgramCache
 from .programs import (
@@ -42,8 +42,6 @@ from .programs import (
 )
 from .sampling import SamplingParams, probs, sample
 
-EXPLORE = 16  # a batched round in this many measures all drafts or none (_drafts_to_verify)
-DRAFT_SEEN = 256  # sequences' draft probabilities whether drafting pays is judged on (_lean)
 DEFAULT_MAX_LEN = 2048  # cache positions of a FastDecoder unless the model's context is shorter
 
 
@@ -89,17 +87,8 @@ class FastDecoder:
         self.cache = ProgramCache(self.programs, backend, mode, cache_dir, self.max_len,
                                   self.kc[0].dtype, self._example)
         self._spans: dict[int, torch.Tensor] = {}
-        self._times: dict[tuple, float] = {}  # run_many's timings (shared by forks)
-        self._counts: dict[tuple, int] = {}
-        self._round_costs: dict[tuple, RoundCosts] = {}  # (k, sequences) -> round costs
-        self._lean_costs: dict[tuple, RoundCosts] = {}  # the same, of rounds drafting nothing
-        # The head's probabilities of the drafts of recent sequences in real rounds.
-        self._draft_seen = DraftOdds(DRAFT_SEEN)
-        # The same for sampled rounds: their costs, and how often a draft at each position
-        # is accepted once those before it are.
-        self._sample_costs: dict[tuple, RoundCosts] = {}
-        self._sample_lean_costs: dict[tuple, RoundCosts] = {}
-        self._sample_accept: list[list[float]] = []  # [hits, seen] a draft position
+        # run_many's measurements and choices (engine/budget.py), shared by forks.
+        self.choices = RoundChoices()
 
     @property
     def has_mtp(self) -> bool:
@@ -470,7 +459,7 @@ class FastDecoder:
                 # seeded one keeps the draws of its lone run, and so its text).
                 # (Drafts drawn before are still verified: that is what measures how often
                 # they are accepted.)
-                lean = k > 0 and n > 1 and self._lean(k, n, sampled=True)
+                lean = k > 0 and n > 1 and self.choices.lean(k, n, sampled=True)
                 group = [steps[i] for i in idx]
                 for st in group:
                     st.sampler.lean = lean and st.sampler.params.seed is None
@@ -480,13 +469,7 @@ class FastDecoder:
                 seconds = time.perf_counter() - t0
                 if k:
                     drew = any(len(d) for _, _, d, _ in got)
-                    rows = sum(st.t for st in group)
-                    # Drafting rounds draw; lean ones neither draw nor verify (a trunk pass).
-                    # A round that only verifies what an exploring round drew is neither.
-                    costs = (self._sample_costs if drew
-                             else self._sample_lean_costs if rows == n else None)
-                    if costs is not None:
-                        costs.setdefault((k, n), RoundCosts()).record(rows, seconds)
+                    self.choices.record_sampled(k, n, sum(st.t for st in group), seconds, drew)
                 for i, g in zip(idx, got, strict=True):
                     out[i] = g
                 continue
@@ -496,11 +479,11 @@ class FastDecoder:
             # Pooled forks batch through compiled pool programs, which read the weights once
             # for all: never slower than a program call each, so that way is not tried (a
             # try costs several batched steps).
-            if n == 1 or not pr.batchable or not (pooled or self._batch_pays(kind, k, n)):
+            if n == 1 or not pr.batchable or not (pooled or self.choices.batch_pays(kind, k, n)):
                 t0 = time.perf_counter()
                 for i in idx:
                     out[i] = self.run(steps[i])
-                self._timed((kind, k, 1), (time.perf_counter() - t0) / n)
+                self.choices.timed((kind, k, 1), (time.perf_counter() - t0) / n)
                 continue
             threads.tick()
             t0 = time.perf_counter()
@@ -509,14 +492,19 @@ class FastDecoder:
                     got = list(self._decode_pooled(group, [st.args for st in group]).split(1))
                 else:
                     got = pr.decode_many([st.args for st in group])
-                self._timed((kind, k, n), time.perf_counter() - t0)
+                self.choices.timed((kind, k, n), time.perf_counter() - t0)
             else:
-                take = self._drafts_to_verify(group, k)
+                drafted = [st.probs.tolist() for st in group if _drafted(st.probs)]
+                for ps in drafted:  # the head's probabilities of real rounds' drafts
+                    self.choices.note_drafts(ps)
+                take = self.choices.drafts_to_verify(
+                    k, [st.args[0].shape[1] - 1 for st in group],
+                    [[] if st.probs is None else st.probs.tolist() for st in group]
+                    if drafted else None)
                 # Fewer rows verified: the pending token and the drafts chosen.
                 args = [(st.args[0][:, : c + 1], *st.args[1:])
                         for st, c in zip(group, take, strict=True)]
-                self._note_probs(group)
-                lean = self._lean(k, n)
+                lean = self.choices.lean(k, n)
                 if lean and not any(take):
                     # Nothing verified, nothing drafted: a decode step each (one pass).
                     got = self._lean_round(group, args, k, pooled)
@@ -524,9 +512,8 @@ class FastDecoder:
                     passes = self._pooled_passes(group) if pooled else {}
                     got = pr.round_many(args, k, lean=lean, **passes)
                 seconds = time.perf_counter() - t0
-                self._timed((kind, k, n), seconds)
-                costs = self._lean_costs if lean else self._round_costs
-                costs.setdefault((k, n), RoundCosts()).record(n + sum(take), seconds)
+                self.choices.timed((kind, k, n), seconds)
+                self.choices.record(k, n, n + sum(take), seconds, lean)
             for i, g in zip(idx, got, strict=True):
                 out[i] = g
         return out
@@ -602,20 +589,13 @@ class FastDecoder:
             torch.cat(tokens, 1), pos, slots, torch.tensor(sizes, device=dev), kpools, vpools,
             torch.arange(len(pos), device=dev))
         emitted = []
-        chance = self._sample_accept
         for st, rows, tok in zip(group, logits.split(sizes), tokens, strict=True):
             sm = st.sampler
             drafts = tok[0, 1:].tolist()
             n, nxt = accept_sampled(drafts, st.probs, probs(rows, sm.params), sm.gen)
             emitted.append([*drafts[:n], nxt])
             sm.left -= n + 1
-            # Each position's acceptance given the ones before it (observed up to the first
-            # rejection), counted with a decay that keeps about the last hundred.
-            for j in range(min(n + 1, len(drafts))):
-                if j == len(chance):
-                    chance.append([0.0, 0.0])
-                hits, seen = chance[j]
-                chance[j] = [0.99 * hits + (j < n), 0.99 * seen + 1]
+            self.choices.note_sampled(n, len(drafts))
         verified = [n - 1 for n in sizes]
         if not k:
             return [(e, v, drafts_none(dev), None) for e, v in zip(emitted, verified,
@@ -718,85 +698,6 @@ class FastDecoder:
         out = torch.cat([t, torch.zeros_like(t), t.expand(-1, k)], 1)
         none = torch.zeros(k, device=self.device)
         return [(row, none) for row in out.unbind(0)]
-
-    def _note_probs(self, group: list[Step]) -> None:
-        # The head's probabilities of the drafts of real rounds (a lean round's placeholders
-        # have probability 0), the most recent kept.
-        for st in group:
-            if _drafted(st.probs):
-                self._draft_seen.add(st.probs.tolist())
-
-    def _lean(self, k: int, n: int, sampled: bool = False) -> bool:
-        # Whether this batched round drafts nothing (engine/budget.py: drafting_pays). At a
-        # batch size where the head's drafts cost more than their accepted tokens bring,
-        # MTP would make the server slower than no MTP: its rounds then run the trunk only.
-        # Drafting rounds that verify drafts are measured first, then a lean one; then the
-        # measured costs decide, except every EXPLORE-th round, which takes the other way
-        # to keep both costs current (and the head's probabilities known). A cost not
-        # measured lately is forgotten (RoundCosts) and measured again the same way.
-        # ``sampled``: of sampled rounds, whose costs are kept apart and whose chance of
-        # acceptance is the counted one (with one hit and one miss of prior), not the
-        # head's probabilities.
-        if sampled:
-            full, lean = self._sample_costs.get((k, n)), self._sample_lean_costs.get((k, n))
-            chance = [(h + 1) / (s + 2) for h, s in self._sample_accept][:k]
-            have_odds = bool(chance)
-
-            def pays_at(cost, lean_seconds):
-                return drafting_pays([chance], n, cost, lean_seconds)
-        else:
-            full, lean = self._round_costs.get((k, n)), self._lean_costs.get((k, n))
-            have_odds = self._draft_seen.sequences > 0
-
-            def pays_at(cost, lean_seconds):
-                return self._draft_seen.pays(n, cost, lean_seconds)
-        if (full is None or not have_odds
-                or not any(n < r <= n * (k + 1) for r in full.fresh())):
-            return False
-        lean_seconds = None if lean is None else lean.estimate(n)
-        if lean_seconds is None:
-            return True
-        pays = pays_at(full.estimate, lean_seconds)
-        return pays if (full.turns + lean.turns) % (4 * EXPLORE) == 0 else not pays
-
-    def _drafts_to_verify(self, group: list[Step], k: int) -> list[int]:
-        # How many of its drafts each sequence of a batched round verifies (engine/budget.py):
-        # all of them, then none, until both costs are measured at this batch size; then
-        # what the costs and the head's probabilities say pays, except every EXPLORE-th
-        # round, which measures one row count again in turn (the machine's speed moves, and
-        # counts never chosen would stay unknown).
-        full = [st.args[0].shape[1] - 1 for st in group]
-        n, most = len(group), sum(full)
-        if not any(_drafted(st.probs) for st in group):
-            return [0] * n  # a lean round's placeholders (or no drafts): nothing to gain
-        costs = self._round_costs.setdefault((k, n), RoundCosts())
-        if not costs.known(n + most):
-            return full
-        if not costs.known(n):
-            return [0] * n
-        probs = [[] if st.probs is None else st.probs.tolist() for st in group]
-        if costs.turns % EXPLORE == 0:
-            return top_drafts(probs, costs.turns // EXPLORE % (most + 1))
-        return choose_drafts(probs, costs.estimate)
-
-    def _timed(self, key: tuple, seconds: float) -> None:
-        # A moving average of what a call took (key: kind, k, sequences; 1 = one program).
-        old = self._times.get(key)
-        self._times[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        self._counts[key] = self._counts.get(key, 0) + 1
-
-    def _batch_pays(self, kind: str, k: int, n: int) -> bool:
-        # One pass for n sequences against n program calls: batched passes run uncompiled,
-        # so where compiled programs are loaded a call each can be the faster. Each way is
-        # tried a few times before the averages decide, and the slower one again now and
-        # then, since the machine's speed moves.
-        single, batch = (kind, k, 1), (kind, k, n)
-        for key in (batch, single):
-            if self._counts.get(key, 0) < 3:
-                return key == batch
-        turn = self._counts[single] + self._counts[batch]
-        prefer = self._times[batch] <= n * self._times[single]
-        return prefer if turn % 50 else not prefer
 
     @property
     def samples(self) -> bool:
