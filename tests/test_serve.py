@@ -662,6 +662,17 @@ def _scheduler(ref: Reference, stats=None, fast: bool = False, **kw):
     return Scheduler(ref.model, ref.tok, stats=stats, **args)
 
 
+def _run_all(sched, reqs, done) -> None:
+    """Submit every request to the scheduler, wait for each done event, stop it."""
+    try:
+        for r in reqs:
+            sched.submit(r)
+        for e in done:
+            assert e.wait(120)
+    finally:
+        sched.stop()
+
+
 def _served_texts(sched, ref: Reference, prompts: list[str], temps: list[float],
                   max_tokens: int, seed: int) -> list[str]:
     """Submit one request a prompt to the scheduler at once (seeded where sampled), wait
@@ -682,13 +693,7 @@ def _served_texts(sched, ref: Reference, prompts: list[str], temps: list[float],
     reqs = [Request(str(i), ref.ids(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                                         temperature=t, seed=seed), on_event(i))
             for i, (p, t) in enumerate(zip(prompts, temps, strict=True))]
-    try:
-        for r in reqs:
-            sched.submit(r)
-        for e in done.values():
-            assert e.wait(120)
-    finally:
-        sched.stop()
+    _run_all(sched, reqs, done.values())
     return [texts[i] for i in range(len(prompts))]
 
 
@@ -719,13 +724,7 @@ def test_a_rounds_events_reach_the_server_in_one_delivery(ref):
     reqs = [Request(str(i), ref.ids(p), SamplingParams(max_tokens=16, ignore_eos=True,
                                                         temperature=0), direct.append)
             for i, p in enumerate(prompts)]
-    try:
-        for r in reqs:
-            sched.submit(r)
-        for e in done.values():
-            assert e.wait(120)
-    finally:
-        sched.stop()
+    _run_all(sched, reqs, done.values())
     assert not direct
     assert max(deliveries) > 1 and len(deliveries) < sum(deliveries)
     for r, p in zip(reqs, prompts, strict=True):
