@@ -494,13 +494,17 @@ class FastDecoder:
                     got = pr.decode_many([st.args for st in group])
                 self.choices.timed((kind, k, n), time.perf_counter() - t0)
             else:
-                drafted = [st.probs.tolist() for st in group if _drafted(st.probs)]
-                for ps in drafted:  # the head's probabilities of real rounds' drafts
-                    self.choices.note_drafts(ps)
+                # The head's probabilities of the drafts, read once where any are real (a
+                # lean round's placeholders are not); real rounds' are kept.
+                drafted = [_drafted(st.probs) for st in group]
+                probs = None
+                if any(drafted):
+                    probs = [[] if st.probs is None else st.probs.tolist() for st in group]
+                    for ps, real in zip(probs, drafted, strict=True):
+                        if real:
+                            self.choices.note_drafts(ps)
                 take = self.choices.drafts_to_verify(
-                    k, [st.args[0].shape[1] - 1 for st in group],
-                    [[] if st.probs is None else st.probs.tolist() for st in group]
-                    if drafted else None)
+                    k, [st.args[0].shape[1] - 1 for st in group], probs)
                 # Fewer rows verified: the pending token and the drafts chosen.
                 args = [(st.args[0][:, : c + 1], *st.args[1:])
                         for st, c in zip(group, take, strict=True)]

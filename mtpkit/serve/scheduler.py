@@ -461,8 +461,8 @@ class Scheduler:
         # ``deliver``: the events the engine thread posts in a round (the fast path's
         # streams) go out in one call, as [(request, event)], when the round's model work
         # starts, rather than one request.on_event each: a server's event loop then wakes
-        # once a round and does its streaming while the model computes, where it woke for
-        # every stream and held the engine thread up between them.
+        # once a round, where each stream's wake-up was a system call in the engine thread
+        # that then waited for the loop's thread.
         self.deliver = deliver
         self._outbox: list[tuple[Request, tuple]] = []
         self._thread = threading.Thread(target=self._loop, name="mtpkit-engine", daemon=True)
