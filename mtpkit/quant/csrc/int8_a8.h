@@ -21,6 +21,12 @@ inline int64_t a8_piece(int64_t K4) {
   return std::max<int64_t>(1, (16384 + 8 * K4) / (16 * K4));
 }
 
+// Rows a8_rows takes in one pass at most (over_rows<kPass>). VNNI: eight, their 16
+// accumulators in AVX-512's 32 registers, so a 64-byte run loaded once serves twice the rows
+// it served at four; in a server's steps of several sequences (W8A16's two int8 rows a row)
+// the GEMMs are that much less bound by the loop. AVX2's 16 registers hold four rows.
+constexpr int kPass = MTPKIT_VNNI ? 8 : 4;
+
 // R quantized rows (K4 bytes each; q + 128 under VNNI) against column blocks [b0, b1) of 16.
 // U accumulators a row, taking runs in turn: one vpdpbusd chain would wait on its latency
 // at one row. Not inlined, as in int8_mm.cpp (gcc spills accumulators inside the OpenMP

@@ -94,7 +94,7 @@ static void a8_team(const int8_t* q, const float* xs, int64_t rows, int64_t K4, 
       return;
     }
 #endif
-    over_rows(rows, [&](auto R, int64_t m) {
+    over_rows<mtpkit_a8::kPass>(rows, [&](auto R, int64_t m) {
       a8_rows<R.value>(q + m * K4, xs + m, K4, w, s, colsum, y + m * N16, N16, c0, c1);
     });
     after(c0, c1);

@@ -127,12 +127,15 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
 }
 
 // Rows [0, M) in passes over the weights: f(std::integral_constant<int, R>{}, m) for rows
-// [m, m + R), four at a time, then the rest (1-3) in one pass, so that the weights stream
-// once per four rows (three rows as 2 + 1 would stream the codes twice, which costs about
-// half as much again). Each kernel computes a row the same whatever pass it is in.
-template <class F>
+// [m, m + R), Wide at a time (a kernel that holds that many rows' accumulators), then four,
+// then the rest (1-3) in one pass, so that the weights stream once per four rows (three
+// rows as 2 + 1 would stream the codes twice, which costs about half as much again). Each
+// kernel computes a row the same whatever pass it is in.
+template <int Wide = 4, class F>
 inline void over_rows(int64_t M, const F& f) {
   int64_t m = 0;
+  if constexpr (Wide > 4)
+    for (; m + Wide <= M; m += Wide) f(std::integral_constant<int, Wide>{}, m);
   for (; m + 4 <= M; m += 4) f(std::integral_constant<int, 4>{}, m);
   switch (M - m) {
     case 3: f(std::integral_constant<int, 3>{}, m); break;

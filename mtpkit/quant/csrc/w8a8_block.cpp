@@ -99,7 +99,7 @@ template <class Done>
 void gemm_share(const int8_t* q, const float* xs, int64_t T, const Packed& w, float* y,
                 Member& me, const Done& done) {
   share_blocks(w.N16 / 16, mtpkit_a8::a8_piece(w.K4), me, [&](int64_t c0, int64_t c1) {
-    over_rows(T, [&](auto R, int64_t m) {
+    over_rows<mtpkit_a8::kPass>(T, [&](auto R, int64_t m) {
       a8_rows<R.value>(q + m * w.K4, xs + m, w.K4, w.w, w.s, w.colsum, y + m * w.N16, w.N16, c0,
                        c1);
     });
