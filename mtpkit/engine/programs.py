@@ -34,6 +34,8 @@ decoding loop around them lives in fast.py so that a change to it rebuilds nothi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -400,10 +402,11 @@ class Programs(nn.Module):
         return torch.cat([target, n, drafts]), ps
 
     # several sequences at once (uncompiled): a server's step ---------------------------
-    @property
+    @functools.cached_property
     def batchable(self) -> bool:
         """Whether several sequences' steps can share one trunk pass with each row's bits
         those of its sequence alone: every GEMM row-exact, natural row counts."""
+        # Cached: a server asks every round, and the model does not change.
         layers = list(self.model.model.layers)
         if self.model.mtp is not None:
             layers += list(self.model.mtp.layers)
