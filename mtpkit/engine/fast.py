@@ -87,6 +87,7 @@ class FastDecoder:
         self.cache = ProgramCache(self.programs, backend, mode, cache_dir, self.max_len,
                                   self.kc[0].dtype, self._example)
         self._spans: dict[int, torch.Tensor] = {}
+        self._lean_forms: dict[int, tuple] = {}  # k -> _lean_round's constant tensors
         # run_many's measurements and choices (engine/budget.py), shared by forks.
         self.choices = RoundChoices()
 
@@ -541,24 +542,15 @@ class FastDecoder:
         kpools, vpools, hk, hv = self._pool
         trunk_fn, head_fn = self.program("trunk_pool"), self.program("head_pool")
 
-        def sizes_of(seqs):
-            sizes = [ids.shape[1] for ids, *_ in seqs]
-            return sizes, torch.tensor(sizes, device=self.device)
+        def trunk(ids, pos, seqs):
+            sizes = torch.tensor([tokens.shape[1] for tokens, *_ in seqs], device=self.device)
+            targets, hidden, _ = trunk_fn(ids, pos, slots, sizes, kpools, vpools,
+                                          torch.arange(ids.shape[1], device=self.device))
+            return targets, hidden
 
-        def trunk(seqs):
-            sizes, st = sizes_of(seqs)
-            targets, hidden, _ = trunk_fn(torch.cat([ids for ids, *_ in seqs], 1),
-                                          torch.cat([pos for _, pos, *_ in seqs]), slots, st,
-                                          kpools, vpools,
-                                          torch.arange(sum(sizes), device=self.device))
-            return targets, list(hidden.split(sizes, 1))
-
-        def head(seqs):
-            sizes, st = sizes_of(seqs)
-            post, chain = head_fn(torch.cat([ids for ids, *_ in seqs], 1),
-                                  torch.cat([h for _, h, *_ in seqs], 1),
-                                  torch.cat([pos for _, _, pos, *_ in seqs]), slots, st, hk, hv)
-            return list(zip(post.split(sizes, 1), chain.split(sizes, 1), strict=True))
+        def head(ids, states, pos, seqs):
+            sizes = torch.tensor([t for t, *_ in seqs], device=self.device)
+            return head_fn(ids, states, pos, slots, sizes, hk, hv)
 
         return {"trunk": trunk, "head": head}
 
@@ -698,10 +690,15 @@ class FastDecoder:
         else:
             targets = torch.cat(self.programs.decode_many([(a[0], a[1], a[2], a[3], a[6])
                                                            for a in args]))
-        t = targets[:, None]
-        out = torch.cat([t, torch.zeros_like(t), t.expand(-1, k)], 1)
-        none = torch.zeros(k, device=self.device)
-        return [(row, none) for row in out.unbind(0)]
+        forms = self._lean_forms.get(k)
+        if forms is None:
+            # Each row [target, n = 0, k placeholder drafts] as target times [1, 0, 1..1];
+            # the drafts' probability 0 marks them as no drafts (_drafted).
+            mask = torch.ones(k + 2, dtype=targets.dtype, device=self.device)
+            mask[1] = 0
+            forms = self._lean_forms[k] = (mask, torch.zeros(k, device=self.device))
+        mask, none = forms
+        return [(row, none) for row in (targets[:, None] * mask).unbind(0)]
 
     @property
     def samples(self) -> bool:

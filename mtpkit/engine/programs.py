@@ -35,6 +35,7 @@ decoding loop around them lives in fast.py so that a change to it rebuilds nothi
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 from torch import nn
@@ -510,61 +511,84 @@ class Programs(nn.Module):
     def round_many(self, items, k: int, trunk=None, head=None, lean: bool = False):
         """round() of several sequences, items = [(tokens, pos0, kc, vc, hk, hv, span)],
         with one trunk pass and one head pass per draft step -> [(out, probs)].
-        ``trunk(seqs)`` -> (the target's argmaxes [N], the head's input state a sequence)
-        and ``head(seqs)`` -> [(draft state, chained state)] a sequence run the passes
-        (default: trunk_rows and head_rows over the items' own caches). ``lean``: the
-        trunk pass only, no drafting: k placeholder drafts of probability 0, which the
-        next round verifies none of unless told to (any draft verified is exact; the
-        head's cache keeps no entries for these positions, which can only cost the head
-        some acceptance later)."""
+        The passes (default: trunk_rows and head_rows over the items' own caches) take
+        every sequence's rows in one tensor: ``trunk(ids, pos, seqs)`` over ids [1, N] at
+        pos [N], seqs = [(tokens, pos [T], kc, vc, span)] a sequence -> (the target's
+        argmaxes [N], the head's input states [1, N, D]); ``head(ids, states, pos, seqs)``
+        over ids [1, M], states [1, M, D] at pos [M], seqs = [(rows, hk, hv, span)] a
+        sequence -> (the states drafts are picked from, the states chained steps read)
+        [1, M, D]. ``lean``: the trunk pass only, no drafting: k placeholder drafts of
+        probability 0, which the next round verifies none of unless told to (any draft
+        verified is exact; the head's cache keeps no entries for these positions, which can
+        only cost the head some acceptance later)."""
+        # The batch's rows stay in one tensor from pass to pass, and acceptance is counted
+        # on the host from one read of the tokens and targets: a few tensor operations a
+        # sequence, each tiny, had made a drafting round's bookkeeping cost as much as the
+        # head's pass.
         trunk = trunk or self._trunk_targets
         head = head or self._head_states
         dev = items[0][0].device
-        poss = [pos0 + torch.arange(tokens.shape[1], device=dev)
-                for tokens, pos0, *_ in items]
-        seqs = [(tokens, pos, kc, vc, span)
-                for (tokens, _, kc, vc, _, _, span), pos in zip(items, poss, strict=True)]
-        targets, hidden = trunk(seqs)
-        targets = targets.split([tokens.shape[1] for tokens, *_ in items])
-        ns = [_accepted(tokens, target)
-              for (tokens, *_), target in zip(items, targets, strict=True)]
+        sizes = [tokens.shape[1] for tokens, *_ in items]
+        starts = list(itertools.accumulate(sizes, initial=0))[:-1]
+        ids = torch.cat([tokens for tokens, *_ in items], 1)  # [1, N]
+        first = torch.cat([p0 for _, p0, *_ in items])  # [B]
+        within = torch.tensor([j for t in sizes for j in range(t)], device=dev)
+        pos = first.repeat_interleave(torch.tensor(sizes, device=dev)) + within  # [N]
+        targets, hidden = trunk(ids, pos, [(tokens, p, kc, vc, span) for
+                                           (tokens, _, kc, vc, _, _, span), p
+                                           in zip(items, pos.split(sizes), strict=True)])
+        tok, tgt = ids[0].tolist(), targets.tolist()
+        # n: how many of a sequence's drafts equal the target's choices before them.
+        ns = []
+        for a, t in zip(starts, sizes, strict=True):
+            n = 0
+            while n < t - 1 and tok[a + n + 1] == tgt[a + n]:
+                n += 1
+            ns.append(n)
         if lean:
             none = torch.zeros(k, device=dev)
-            return [(torch.cat([target, n, target[-1:].expand(k)]), none)
-                    for target, n in zip(targets, ns, strict=True)]
-        # Head catch-up over every sequence's positions with its target tokens (round()).
-        heads = head([(target[None], h, pos, hk, hv, span)
-                      for target, h, pos, (_, _, _, _, hk, hv, span)
-                      in zip(targets, hidden, poss, items, strict=True)])
-        post = torch.cat([hp[0].index_select(0, n) for (hp, _), n in zip(heads, ns, strict=True)])
-        state = torch.cat([hs[0].index_select(0, n) for (_, hs), n in zip(heads, ns, strict=True)])
-        tok, p = self.draft_pick(post)  # [B] each
-        drafts, ps = [tok], [p]
-        pos = torch.cat([pos0 + n + 1 for (_, pos0, *_), n in zip(items, ns, strict=True)])
+            return [(torch.tensor(tgt[a:a + t] + [n] + tgt[a + t - 1:a + t] * k, device=dev),
+                     none) for a, t, n in zip(starts, sizes, ns, strict=True)]
+        # Head catch-up over every sequence's positions with its target tokens (round());
+        # each sequence's row n is what the eager engine computes next.
+        heads = [(hk, hv, span) for *_, hk, hv, span in items]
+        hpost, hstate = head(targets[None], hidden, pos,
+                             [(t, *h) for t, h in zip(sizes, heads, strict=True)])
+        at = torch.tensor([a + n for a, n in zip(starts, ns, strict=True)], device=dev)
+        post, state = hpost[0].index_select(0, at), hstate[0].index_select(0, at)  # [B, D]
+        drafted, p = self.draft_pick(post)  # [B] each
+        drafts, ps = [drafted], [p]
+        step = first + torch.tensor(ns, device=dev) + 1
+        ones = [(1, *h) for h in heads]
         for _ in range(k - 1):
-            step = head([(tok[b].view(1, 1), state[b].view(1, 1, -1), pos[b:b + 1], hk, hv, span)
-                         for b, (_, _, _, _, hk, hv, span) in enumerate(items)])
-            post = torch.cat([hp[0] for hp, _ in step])
-            state = torch.cat([hs[0] for _, hs in step])
-            tok, p = self.draft_pick(post)
-            drafts.append(tok)
+            post, state = head(drafted[None], state[None], step, ones)
+            drafted, p = self.draft_pick(post[0])
+            drafts.append(drafted)
             ps.append(p)
-            pos = pos + 1
-        drafts, ps = torch.stack(drafts, 1), torch.stack(ps, 1)  # [B, k]
-        return [(torch.cat([target, n, drafts[b]]), ps[b])
-                for b, (target, n) in enumerate(zip(targets, ns, strict=True))]
+            state = state[0]
+            step = step + 1
+        chosen = torch.stack(drafts, 1).tolist()  # [B][k]
+        return [(torch.tensor(tgt[a:a + t] + [n] + d, device=dev), q)
+                for a, t, n, d, q in zip(starts, sizes, ns, chosen,
+                                         torch.stack(ps, 1).unbind(0), strict=True)]
 
-    def _trunk_targets(self, seqs):
+    def _trunk_targets(self, ids, pos, seqs):
         # round_many's default trunk pass: trunk_rows over the sequences' own caches.
         states = self.trunk_rows(seqs)
         targets = argmax_rows(self.logits(torch.cat([p for p, _ in states], 1)[0]))
         post_norm = self.model.mtp.spec.trunk_hidden == "post_norm"
-        return targets, [post if post_norm else pre for post, pre in states]
+        return targets, torch.cat([post if post_norm else pre for post, pre in states], 1)
 
-    def _head_states(self, seqs):
+    def _head_states(self, ids, states, pos, seqs):
         # round_many's default head pass: head_rows over the sequences' own head caches.
+        sizes = [t for t, *_ in seqs]
+        rows = [(i, h, p, hk, hv, span) for i, h, p, (_, hk, hv, span)
+                in zip(ids.split(sizes, 1), states.split(sizes, 1), pos.split(sizes), seqs,
+                       strict=True)]
         chain_post = self.model.mtp.spec.chain_hidden == "post_norm"
-        return [(hp, hp if chain_post else hq) for hp, hq in self.head_rows(seqs)]
+        out = self.head_rows(rows)
+        post = torch.cat([hp for hp, _ in out], 1)
+        return post, post if chain_post else torch.cat([hq for _, hq in out], 1)
 
     @every_row_exact()
     def head_rows(self, seqs):
