@@ -495,12 +495,12 @@ class FastDecoder:
                     got = pr.decode_many([st.args for st in group])
                 self.choices.timed((kind, k, n), time.perf_counter() - t0)
             else:
-                # The head's probabilities of the drafts, read once where any are real (a
-                # lean round's placeholders are not); real rounds' are kept.
-                drafted = [_drafted(st.probs) for st in group]
+                # The head's probabilities of the drafts, where any are real (a lean
+                # round's placeholders are not); real rounds' are kept.
+                drafted = [_drafted(st.odds) for st in group]
                 probs = None
                 if any(drafted):
-                    probs = [[] if st.probs is None else st.probs.tolist() for st in group]
+                    probs = [st.odds or [] for st in group]
                     for ps, real in zip(probs, drafted, strict=True):
                         if real:
                             self.choices.note_drafts(ps)
@@ -750,6 +750,7 @@ class FastDecoder:
         at = len(prompt_ids)  # position of the pending token
         pending = first
         emitted = [int(first)]
+        host = None  # greedy rounds: [pending, drafts] as ints
         dev = self.device
         while True:
             yield list(emit(emitted, res, eos_ids, max_tokens, t0))
@@ -782,20 +783,27 @@ class FastDecoder:
                 at += 1
                 pending = nxt
                 continue
+            # The round's tokens are built from host ints (the last round's one read): a
+            # server steps many sequences a round, and slicing and joining small tensors for
+            # each cost a visible share of a lean round.
+            if host is None:
+                host = [int(pending)] + drafts.tolist()
+            ps = [] if probs is None else probs.tolist()
             kk = k
             if self.draft_p_min is not None:
-                ok = (probs >= self.draft_p_min).tolist()
+                ok = [p >= self.draft_p_min for p in ps]
                 kk = ok.index(False) if False in ok else k
             t = kk + 1
             with torch.inference_mode():
-                tokens = torch.cat([pending.view(1), drafts[:kk]])[None]
-                args = (tokens, torch.tensor([at], device=dev), *self.kv, self.hk, self.hv,
-                        self.span(at + max(SPAN_STEP, 2 * k + 2)))
+                args = (torch.tensor([host[:t]], device=dev), torch.tensor([at], device=dev),
+                        *self.kv, self.hk, self.hv, self.span(at + max(SPAN_STEP, 2 * k + 2)))
             # A lean batched round's placeholders (probability 0, run_many) are no drafts:
             # a round that verifies them anyway (a lone round program verifies all k)
             # does not count them.
-            drafting = kk > 0 and _drafted(probs)
-            out, probs = yield Step("round", t, k, args, probs[:kk], slot=self.slot)
+            odds = ps[:kk]
+            drafting = _drafted(odds)
+            out, probs = yield Step("round", t, k, args, probs if kk == len(ps) else probs[:kk],
+                                    slot=self.slot, odds=odds)
             vals = out.tolist()  # the one host read per round
             # A batched round may have verified fewer of the drafts (run_many).
             t = len(vals) - 1 - k
@@ -803,8 +811,7 @@ class FastDecoder:
             # Counted as the eager engine does: no more drafts than tokens still allowed.
             drafted = min(t - 1, max_tokens - m.generated_tokens - 1) if drafting else 0
             m.record(drafted, min(n, drafted))
-            drafts = out[t + 1:]
-            pending = out[n : n + 1]
+            host = [vals[n]] + vals[t + 1:]  # the pending token and the next drafts
             at += n + 1
             emitted = vals[: n + 1]
 
@@ -829,6 +836,7 @@ class Step:
     # drafts were drawn from [k, V]
     probs: torch.Tensor | None = None
     slot: int | None = None  # the generation's slot in its decoder's pool (make_pool)
+    odds: list[float] | None = None  # round: probs as floats, read once on the host
     sampler: _Sampler | None = None  # sample: the request's settings and random stream
 
 
@@ -874,10 +882,10 @@ class _Sampler:
         return 0 if self.lean else max(0, min(k, self.left - 1))
 
 
-def _drafted(probs: torch.Tensor | None) -> bool:
+def _drafted(odds: list[float] | None) -> bool:
     """Whether a round's drafts are the head's (a lean round's placeholders have
     probability 0, FastDecoder.run_many)."""
-    return probs is not None and len(probs) > 0 and float(probs[0]) > 0.0
+    return bool(odds) and odds[0] > 0.0
 
 
 
