@@ -1114,6 +1114,50 @@ def test_lean_rounds_keep_each_sequences_tokens(pooled, engine_factory, monkeypa
     assert dec.choices.lean_costs and dec.choices.draft_seen.sequences
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "drafting"])
+def test_a_prompt_joining_lean_rounds_skips_the_heads_pass(lean, engine_factory, monkeypatch):
+    """A greedy prompt that joins a server's batched rounds while they are lean
+    (RoundChoices.lean_prompt) runs without the head's pass over it: the head's cache slot
+    stays untouched and the first drafts are placeholders of probability 0; its tokens
+    stay those of its lone run. Where the rounds draft, the head catches up on it."""
+    import mtpkit.engine.budget as budget
+
+    engine = engine_factory("llama")
+    dec = FastDecoder(engine.model, backend="eager", max_len=128)
+    assert dec.make_pool(3)
+    forks = [dec.fork(i) for i in range(3)]
+    monkeypatch.setattr(RoundChoices, "lean", lambda self, k, n: lean)
+    monkeypatch.setattr(RoundChoices, "batch_pays", lambda self, kind, k, n: True)
+    monkeypatch.setattr(budget, "BATCHED_S", 1e9)  # "recent" however slow the machine
+    k = 2
+    gens = {i: forks[i].steps(p, 8, k, eos_ids=set()) for i, p in enumerate(PROMPTS[:2])}
+    _lockstep(dec, gens)
+    assert dec.choices.batched[k][0] == 2
+    prompt = PROMPTS[3]
+    hk = dec._pool[2]
+    before = hk[2].clone()
+    with torch.inference_mode():
+        first, drafts, probs = forks[2].prefill(prompt, k)
+    assert torch.equal(hk[2], before) == lean
+    if lean:
+        assert not probs.any() and drafts.tolist() == [int(first)] * k
+    else:
+        assert (probs > 0).all()
+    want, _ = _fast(dec, prompt, k)
+    res = Result()
+    got, _ = _lockstep(dec, {0: forks[2].steps(prompt, 24, k, result=res, eos_ids=set())})
+    assert got[0] == want
+    assert res.metrics.num_accepted_tokens <= res.metrics.num_draft_tokens
+    # Nothing joins lean rounds that are not recent, or that were a lone sequence's.
+    dec.choices.batched[k] = (1, time.monotonic())
+    assert not dec.choices.lean_prompt(k)
+    monkeypatch.setattr(budget, "BATCHED_S", 0.5)
+    dec.choices.batched[k] = (2, time.monotonic() - 1.0)
+    assert not dec.choices.lean_prompt(k)
+    dec.choices.batched[k] = (2, time.monotonic())
+    assert dec.choices.lean_prompt(k) == lean
+
+
 def test_programs_are_keyed_by_their_own_family_sources_only(engine_factory):
     """A program's key covers the code it is traced from: this family's file and the
     shared model modules, not the other families' files (editing those must not make

@@ -379,6 +379,10 @@ class FastDecoder:
         first = last.argmax(-1) if sampler is None else sampler.pick(last[0])
         if not k:
             return first, (None if sampler is None else drafts_none(dev)), None
+        if sampler is None and self.slot is not None and self.choices.lean_prompt(k):
+            # A server's lean rounds: no head pass over the prompt, and placeholder drafts
+            # of probability 0 (what a lean round leaves, _lean_round).
+            return first, first.expand(k).clone(), torch.zeros(k, device=dev)
         hidden = torch.cat(keep, 1)
         head_ids = torch.cat([ids[:, 1:], first[None]], 1)
         head_pooled = pooled and self.pools_prompt_heads
@@ -510,6 +514,7 @@ class FastDecoder:
                 args = [(st.args[0][:, : c + 1], *st.args[1:])
                         for st, c in zip(group, take, strict=True)]
                 lean = self.choices.lean(k, n)
+                self.choices.note_batched(k, n)
                 if lean and not any(take):
                     # Nothing verified, nothing drafted: a decode step each (one pass).
                     got = self._lean_round(group, args, k, pooled)
