@@ -1116,46 +1116,46 @@ def test_lean_rounds_keep_each_sequences_tokens(pooled, engine_factory, monkeypa
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "drafting"])
 def test_a_prompt_joining_lean_rounds_skips_the_heads_pass(lean, engine_factory, monkeypatch):
-    """A greedy prompt that joins a server's batched rounds while they are lean
+    """A greedy prompt that joins other running sequences whose batched rounds are lean
     (RoundChoices.lean_prompt) runs without the head's pass over it: the head's cache slot
     stays untouched and the first drafts are placeholders of probability 0; its tokens
-    stay those of its lone run. Where the rounds draft, the head catches up on it."""
-    import mtpkit.engine.budget as budget
-
+    stay those of its lone run. Where the rounds draft, or where it runs alone, the head
+    catches up on it."""
     engine = engine_factory("llama")
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
     assert dec.make_pool(3)
-    forks = [dec.fork(i) for i in range(3)]
+    fork = dec.fork(2)
     monkeypatch.setattr(RoundChoices, "lean", lambda self, k, n: lean)
-    monkeypatch.setattr(RoundChoices, "batch_pays", lambda self, kind, k, n: True)
-    monkeypatch.setattr(budget, "BATCHED_S", 1e9)  # "recent" however slow the machine
-    k = 2
-    gens = {i: forks[i].steps(p, 8, k, eos_ids=set()) for i, p in enumerate(PROMPTS[:2])}
-    _lockstep(dec, gens)
-    assert dec.choices.batched[k][0] == 2
-    prompt = PROMPTS[3]
+    k, prompt = 2, PROMPTS[3]
     hk = dec._pool[2]
-    before = hk[2].clone()
-    with torch.inference_mode():
-        first, drafts, probs = forks[2].prefill(prompt, k)
-    assert torch.equal(hk[2], before) == lean
-    if lean:
-        assert not probs.any() and drafts.tolist() == [int(first)] * k
-    else:
-        assert (probs > 0).all()
     want, _ = _fast(dec, prompt, k)
-    res = Result()
-    got, _ = _lockstep(dec, {0: forks[2].steps(prompt, 24, k, result=res, eos_ids=set())})
-    assert got[0] == want
-    assert res.metrics.num_accepted_tokens <= res.metrics.num_draft_tokens
-    # Nothing joins lean rounds that are not recent, or that were a lone sequence's.
-    dec.choices.batched[k] = (1, time.monotonic())
-    assert not dec.choices.lean_prompt(k)
-    monkeypatch.setattr(budget, "BATCHED_S", 0.5)
-    dec.choices.batched[k] = (2, time.monotonic() - 1.0)
-    assert not dec.choices.lean_prompt(k)
-    dec.choices.batched[k] = (2, time.monotonic())
-    assert dec.choices.lean_prompt(k) == lean
+    for joining in (0, 2):
+        hk[2].zero_()
+        res = Result()
+        gen = fork.steps(prompt, 24, k, result=res, eos_ids=set(), joining=joining)
+        with torch.inference_mode():
+            first = next(gen)  # the prompt's pass done, no program call yet
+        skipped = lean and joining > 0
+        assert (not hk[2].any()) == skipped, joining
+        step = next(gen)
+        if skipped:
+            assert step.args[0].tolist() == [first * (k + 1)] and step.odds == [0.0] * k
+        else:
+            assert all(p > 0 for p in step.odds)
+        out = fork.run(step)
+        got = [first[0]]
+        gen_live = True
+        while gen_live:
+            item = gen.send(out)
+            while item is not None and not isinstance(item, fast_mod.Step):
+                got += item
+                item = next(gen, None)
+            if item is None:
+                gen_live = False
+            else:
+                out = fork.run(item)
+        assert got == want, joining
+        assert res.metrics.num_accepted_tokens <= res.metrics.num_draft_tokens
 
 
 def test_programs_are_keyed_by_their_own_family_sources_only(engine_factory):

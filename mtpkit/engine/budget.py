@@ -211,7 +211,6 @@ class DraftOdds:
         return _pays([-e for e in self._neg], len(self._seen), n, cost, lean_seconds, margin)
 
 
-BATCHED_S = 0.5  # a batched round this recent means prompts join a batch (lean_prompt)
 EXPLORE = 16  # a batched round in this many measures all drafts or none (drafts_to_verify)
 DRAFT_SEEN = 256  # sequences' draft probabilities whether drafting pays is judged on (lean)
 
@@ -233,8 +232,6 @@ class RoundChoices:
         self.sample_costs: dict[tuple, RoundCosts] = {}
         self.sample_lean_costs: dict[tuple, RoundCosts] = {}
         self.sample_accept: list[list[float]] = []  # [hits, seen] a draft position
-        # k -> (sequences, time.monotonic()) of the last greedy batched round
-        self.batched: dict[int, tuple[int, float]] = {}
 
     def timed(self, key: tuple, seconds: float) -> None:
         """Note what a call took (key: kind, k, sequences; 1 = one program), as a moving
@@ -318,20 +315,14 @@ class RoundChoices:
         pays = pays_at(full.estimate, lean_seconds)
         return pays if (full.turns + lean.turns) % (4 * EXPLORE) == 0 else not pays
 
-    def lean_prompt(self, k: int) -> bool:
-        """Whether a greedy prompt joining the batched rounds now skips the head's
-        catch-up: the last batched round of depth k was lean by the same judgement."""
+    def lean_prompt(self, k: int, n: int) -> bool:
+        """Whether a greedy prompt that joins batched rounds of n sequences (itself
+        included) skips the head's catch-up: rounds of that batch are lean (lean())."""
         # The head's pass over a prompt costs a few percent of the prompt's trunk pass, for
         # drafts that lean rounds never make; its cache then keeps no entries for the
-        # prompt, as lean rounds leave none for theirs (any draft is still verified).
-        # Only while rounds are being batched: a prompt arriving after a burst runs alone,
-        # and its lone rounds always draft.
-        n, when = self.batched.get(k, (0, -math.inf))
-        return n > 1 and time.monotonic() - when < BATCHED_S and self.lean(k, n)
-
-    def note_batched(self, k: int, n: int) -> None:
-        """Note a greedy batched round of n sequences at depth k (lean_prompt)."""
-        self.batched[k] = (n, time.monotonic())
+        # prompt, as lean rounds leave none for theirs (any draft is still verified). A
+        # prompt that runs alone always gets it: its lone rounds draft.
+        return n > 1 and self.lean(k, n)
 
     def drafts_to_verify(self, k: int, full: list[int],
                          probs: list[list[float]] | None) -> list[int]:

@@ -341,11 +341,12 @@ class FastDecoder:
             )
 
     def _prefill(self, prompt_ids: list[int], k: int, chunk: int | None = None,
-                 sampler: _Sampler | None = None):
+                 sampler: _Sampler | None = None, joining: int = 0):
         """Run the prompt (any length), ``chunk`` positions at a time, yielding
         between pieces; returns the first token [1] and, with k, the first drafts and
         their probabilities (greedy: of each draft [k]; ``sampler``: the distributions the
-        drafts were drawn from [k, V])."""
+        drafts were drawn from [k, V]). ``joining``: how many other sequences this one's
+        batched rounds run beside (RoundChoices.lean_prompt)."""
         pr, dev, n = self.programs, self.device, len(prompt_ids)
         ids = torch.tensor([prompt_ids], device=dev)
         pos = torch.arange(n, device=dev)
@@ -379,7 +380,7 @@ class FastDecoder:
         first = last.argmax(-1) if sampler is None else sampler.pick(last[0])
         if not k:
             return first, (None if sampler is None else drafts_none(dev)), None
-        if sampler is None and self.slot is not None and self.choices.lean_prompt(k):
+        if sampler is None and joining and self.choices.lean_prompt(k, joining + 1):
             # A server's lean rounds: no head pass over the prompt, and placeholder drafts
             # of probability 0 (what a lean round leaves, _lean_round).
             return first, first.expand(k).clone(), torch.zeros(k, device=dev)
@@ -514,7 +515,6 @@ class FastDecoder:
                 args = [(st.args[0][:, : c + 1], *st.args[1:])
                         for st, c in zip(group, take, strict=True)]
                 lean = self.choices.lean(k, n)
-                self.choices.note_batched(k, n)
                 if lean and not any(take):
                     # Nothing verified, nothing drafted: a decode step each (one pass).
                     got = self._lean_round(group, args, k, pooled)
@@ -713,12 +713,13 @@ class FastDecoder:
 
     def steps(self, prompt_ids: list[int], max_tokens: int, k: int = 0, result=None,
               eos_ids: set[int] | None = None, chunk: int | None = None,
-              params: SamplingParams | None = None):
+              params: SamplingParams | None = None, joining: int = 0):
         """generate() a step at a time. Each next() or send() gives one of: a list of the
         tokens just emitted; PIECE, after a ``chunk``-position piece of the prompt; or a
         Step, a program call whose result the caller sends back (run, or run_many for
         several generations at once). A server interleaves other sequences between.
-        ``params``: sample as they say (greedy when None or greedy)."""
+        ``params``: sample as they say (greedy when None or greedy). ``joining``: how many
+        other sequences are running beside this one (a server's)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         sampler = None
@@ -732,9 +733,10 @@ class FastDecoder:
         self.check_length(len(prompt_ids), max_tokens, k)
         self.warmup_for(params, k)
         res = result if result is not None else Result()
-        return self._steps(prompt_ids, max_tokens, k, res, eos_ids or set(), chunk, sampler)
+        return self._steps(prompt_ids, max_tokens, k, res, eos_ids or set(), chunk, sampler,
+                           joining)
 
-    def _steps(self, prompt_ids, max_tokens, k, res, eos_ids, chunk, sampler=None):
+    def _steps(self, prompt_ids, max_tokens, k, res, eos_ids, chunk, sampler=None, joining=0):
         # Inference mode is entered per step, not around the generator: a server steps it
         # from its own thread between other work.
         with torch.inference_mode():
@@ -742,7 +744,7 @@ class FastDecoder:
             m.prompt_tokens = len(prompt_ids)
             threads.tick()
             t0 = time.perf_counter()
-            prefill = self._prefill(prompt_ids, k, chunk, sampler)
+            prefill = self._prefill(prompt_ids, k, chunk, sampler, joining)
         while True:
             with torch.inference_mode():
                 try:

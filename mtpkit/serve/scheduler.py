@@ -339,10 +339,12 @@ class _FastWorker(_Worker):
                 raise Aborted
             if self.steps is None:
                 eos = set() if req.params.ignore_eos else set(sched.tokenizer.eos_token_ids)
+                others = sum(1 for w in sched._running
+                             if isinstance(w, _FastWorker) and w is not self)
                 self.steps = self.slot.fast.steps(
                     req.prompt_ids, req.params.max_tokens, sched.num_draft_tokens,
                     result=self.result, eos_ids=eos, chunk=sched.prefill_chunk,
-                    params=req.params)
+                    params=req.params, joining=others)
             if self.step is not None and not self.has_out:
                 return  # its call has not run yet
             item = self._advance()
