@@ -81,11 +81,11 @@ def main(c: int = 4, passes: int = 8, requests: int = 32) -> None:
         entry[0] += 1
         entry[1] += dt
         for st, o in zip(steps, out, strict=True):
-            if n > 1 and st.kind == "round" and st.probs is not None and len(st.probs):
+            if n > 1 and st.kind == "round" and st.odds:
                 vals = o[0].tolist()
                 t = len(vals) - 1 - st.k  # rows verified: the pending token and t - 1 drafts
                 if t >= 2:
-                    b = min(int(float(st.probs[0]) * 10), 9)
+                    b = min(int(st.odds[0] * 10), 9)
                     calib[b][0] += 1
                     calib[b][1] += vals[t] >= 1
         return out

@@ -1229,7 +1229,7 @@ def test_placeholder_drafts_are_not_counted_as_drafts(engine_factory):
                 (out,) = dec._lean_round([item], args, 1, pooled=False)
                 lean_done = True
             else:
-                real += _drafted(item.probs)
+                real += _drafted(item.odds)
                 out = dec.run(item)
             item = gen.send(out)
             continue

@@ -809,8 +809,7 @@ class FastDecoder:
             # does not count them.
             odds = ps[:kk]
             drafting = _drafted(odds)
-            out, probs = yield Step("round", t, k, args, probs if kk == len(ps) else probs[:kk],
-                                    slot=self.slot, odds=odds)
+            out, probs = yield Step("round", t, k, args, slot=self.slot, odds=odds)
             vals = out.tolist()  # the one host read per round
             # A batched round may have verified fewer of the drafts (run_many).
             t = len(vals) - 1 - k
@@ -839,11 +838,10 @@ class Step:
     t: int  # rows verified (round)
     k: int  # draft depth (round)
     args: tuple  # the program's arguments: tokens, position, the generation's caches, span
-    # round: the head's probabilities of its drafts [t - 1]; sample: the distributions the
-    # drafts were drawn from [k, V]
-    probs: torch.Tensor | None = None
+    probs: torch.Tensor | None = None  # sample: the distributions the drafts were drawn from [k, V]
     slot: int | None = None  # the generation's slot in its decoder's pool (make_pool)
-    odds: list[float] | None = None  # round: probs as floats, read once on the host
+    # round: the head's probabilities of its drafts [t - 1], read once on the host
+    odds: list[float] | None = None
     sampler: _Sampler | None = None  # sample: the request's settings and random stream
 
 
