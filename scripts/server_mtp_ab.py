@@ -82,7 +82,7 @@ def main(c: int = 4, passes: int = 8, requests: int = 32) -> None:
         entry[1] += dt
         for st, o in zip(steps, out, strict=True):
             if n > 1 and st.kind == "round" and st.odds:
-                vals = o[0].tolist()
+                vals = o[0] if isinstance(o[0], list) else o[0].tolist()
                 t = len(vals) - 1 - st.k  # rows verified: the pending token and t - 1 drafts
                 if t >= 2:
                     b = min(int(st.odds[0] * 10), 9)

@@ -1092,7 +1092,8 @@ def test_lean_rounds_keep_each_sequences_tokens(pooled, engine_factory, monkeypa
     """Batched rounds that draft nothing (where drafting does not pay: FastDecoder._lean)
     interleaved with drafting ones, and placeholder drafts verified now and then: every
     sequence's tokens stay those of its lone run, and no placeholder is counted as a
-    draft unless verified."""
+    draft unless verified. A lean round verifies nothing, not even the real drafts a
+    drafting round left, so that it always measures the lean cost the choice weighs."""
     engine = engine_factory("llama")
     dec = FastDecoder(engine.model, backend="eager", max_len=128)
     if pooled:
@@ -1112,6 +1113,8 @@ def test_lean_rounds_keep_each_sequences_tokens(pooled, engine_factory, monkeypa
         for r in results:
             assert r.metrics.num_accepted_tokens <= r.metrics.num_draft_tokens
     assert dec.choices.lean_costs and dec.choices.draft_seen.sequences
+    for (_, n), costs in dec.choices.lean_costs.items():
+        assert set(costs.seconds) == {n}
 
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "drafting"])
@@ -1225,8 +1228,7 @@ def test_placeholder_drafts_are_not_counted_as_drafts(engine_factory):
         if isinstance(item, Step):
             if item.kind == "round" and not lean_done:
                 # This round as a lean batched round answers it: one row, no drafting.
-                args = [(item.args[0][:, :1], *item.args[1:])]
-                (out,) = dec._lean_round([item], args, 1, pooled=False)
+                (out,) = dec._lean_round([item], 1, pooled=False)
                 lean_done = True
             else:
                 real += _drafted(item.odds)

@@ -157,7 +157,7 @@ def drafting_pays(samples: list[list[float]], n: int, cost: Callable[[int], floa
 
 
 def _pays(odds: list[float], sequences: int, n: int, cost: Callable[[int], float | None],
-          lean_seconds: float, margin: float) -> bool:
+          lean_seconds: float, margin: float, tops: list[float] | None = None) -> bool:
     # odds: E = p_1 .. p_j of every draft of ``sequences`` sequences, highest first
     # (_ranked). A batch of n sequences drawn like them holds in expectation n / S of the
     # drafts at each rank (S = sequences), so its m likeliest drafts are worth n / S times
@@ -169,7 +169,8 @@ def _pays(odds: list[float], sequences: int, n: int, cost: Callable[[int], float
     if not odds:
         return False
     lean = margin * n / lean_seconds
-    tops = list(itertools.accumulate(odds, initial=0.0))
+    if tops is None:  # the sums of the top odds, tops[i] = odds[0] + .. + odds[i - 1]
+        tops = list(itertools.accumulate(odds, initial=0.0))
     for m in range(1, math.ceil(n * len(odds) / sequences) + 1):  # past it, no more odds
         q = m * sequences / n
         whole = min(int(q), len(odds))
@@ -189,6 +190,9 @@ class DraftOdds:
         self._seen: collections.deque[list[float]] = collections.deque()
         self._size = size
         self._neg: list[float] = []  # -E of every draft kept, ascending (bisect's order)
+        # The odds highest first and their running sums, as _pays reads them; remade after
+        # add(). A server in lean rounds asks every round and adds nothing.
+        self._ranked: tuple[list[float], list[float]] | None = None
 
     @property
     def sequences(self) -> int:
@@ -198,6 +202,7 @@ class DraftOdds:
     def add(self, probs: list[float]) -> None:
         """Keep one sequence's drafts (the head's probability of each, in order)."""
         odds = [e for e, _, _ in _ranked([probs])]
+        self._ranked = None
         self._seen.append(odds)
         for e in odds:
             bisect.insort(self._neg, -e)
@@ -208,7 +213,11 @@ class DraftOdds:
     def pays(self, n: int, cost: Callable[[int], float | None], lean_seconds: float,
              margin: float = DRAFT_MARGIN) -> bool:
         """drafting_pays over the sequences kept."""
-        return _pays([-e for e in self._neg], len(self._seen), n, cost, lean_seconds, margin)
+        if self._ranked is None:
+            odds = [-e for e in self._neg]
+            self._ranked = odds, list(itertools.accumulate(odds, initial=0.0))
+        odds, tops = self._ranked
+        return _pays(odds, len(self._seen), n, cost, lean_seconds, margin, tops)
 
 
 EXPLORE = 16  # a batched round in this many measures all drafts or none (drafts_to_verify)

@@ -87,7 +87,7 @@ class FastDecoder:
         self.cache = ProgramCache(self.programs, backend, mode, cache_dir, self.max_len,
                                   self.kc[0].dtype, self._example)
         self._spans: dict[int, torch.Tensor] = {}
-        self._lean_forms: dict[int, tuple] = {}  # k -> _lean_round's constant tensors
+        self._slot_cache: dict[tuple, tuple] = {}  # forks' slots -> _slot_args
         # run_many's measurements and choices (engine/budget.py), shared by forks.
         self.choices = RoundChoices()
 
@@ -495,32 +495,40 @@ class FastDecoder:
             t0 = time.perf_counter()
             if kind == "decode":
                 if pooled:
-                    got = list(self._decode_pooled(group, [st.args for st in group]).split(1))
+                    got = list(self._decode_pooled(
+                        group, torch.cat([st.args[0] for st in group], 1),
+                        torch.cat([st.args[1] for st in group])).split(1))
                 else:
                     got = pr.decode_many([st.args for st in group])
                 self.choices.timed((kind, k, n), time.perf_counter() - t0)
             else:
-                # The head's probabilities of the drafts, where any are real (a lean
-                # round's placeholders are not); real rounds' are kept.
-                drafted = [_drafted(st.odds) for st in group]
-                probs = None
-                if any(drafted):
-                    probs = [st.odds or [] for st in group]
-                    for ps, real in zip(probs, drafted, strict=True):
-                        if real:
-                            self.choices.note_drafts(ps)
-                take = self.choices.drafts_to_verify(
-                    k, [st.args[0].shape[1] - 1 for st in group], probs)
-                # Fewer rows verified: the pending token and the drafts chosen.
-                args = [(st.args[0][:, : c + 1], *st.args[1:])
-                        for st, c in zip(group, take, strict=True)]
-                lean = self.choices.lean(k, n)
-                if lean and not any(take):
-                    # Nothing verified, nothing drafted: a decode step each (one pass).
-                    got = self._lean_round(group, args, k, pooled)
+                if self.choices.lean(k, n):
+                    # A decode step each, in one pass: nothing drafted and nothing verified,
+                    # not even drafts a drafting round before left (only at a switch). So
+                    # every lean round measures the lean cost the choice weighs, which
+                    # otherwise, while drafting, went unmeasured and stale; and in the lean
+                    # regime a round's own work beside that pass is what MTP costs the
+                    # server against no MTP.
+                    got = self._lean_round(group, k, pooled)
+                    take, lean = [0] * n, True
                 else:
+                    # The head's probabilities of the drafts, where any are real (a lean
+                    # round's placeholders are not); real rounds' are kept.
+                    drafted = [_drafted(st.odds) for st in group]
+                    probs = None
+                    if any(drafted):
+                        probs = [st.odds or [] for st in group]
+                        for ps, real in zip(probs, drafted, strict=True):
+                            if real:
+                                self.choices.note_drafts(ps)
+                    take = self.choices.drafts_to_verify(
+                        k, [st.args[0].shape[1] - 1 for st in group], probs)
+                    # Fewer rows verified: the pending token and the drafts chosen.
+                    args = [(st.args[0][:, : c + 1], *st.args[1:])
+                            for st, c in zip(group, take, strict=True)]
                     passes = self._pooled_passes(group) if pooled else {}
-                    got = pr.round_many(args, k, lean=lean, **passes)
+                    got = pr.round_many(args, k, **passes)
+                    lean = False
                 seconds = time.perf_counter() - t0
                 self.choices.timed((kind, k, n), seconds)
                 self.choices.record(k, n, n + sum(take), seconds, lean)
@@ -528,17 +536,29 @@ class FastDecoder:
                 out[i] = g
         return out
 
-    def _decode_pooled(self, group: list[Step], args: list) -> torch.Tensor:
-        # One-token steps of pooled forks as one trunk_pool call, args = [(token [1, 1],
-        # pos [1], ...)] a step -> the next tokens [n].
-        ids = torch.cat([a[0] for a in args], 1)
-        pos = torch.cat([a[1] for a in args])
-        slots = torch.tensor([st.slot for st in group], device=self.device)
+    def _decode_pooled(self, group: list[Step], ids: torch.Tensor,
+                       pos: torch.Tensor) -> torch.Tensor:
+        # One-token steps of pooled forks as one trunk_pool call: their tokens ids [1, n]
+        # at positions pos [n] -> the next tokens [n].
+        slots, ones, every = self._slot_args(group)
         kpools, vpools, _, _ = self._pool
-        every = torch.arange(len(group), device=self.device)
-        targets, _, _ = self.program("trunk_pool")(ids, pos, slots, torch.ones_like(slots),
-                                                   kpools, vpools, every)
+        targets, _, _ = self.program("trunk_pool")(ids, pos, slots, ones, kpools, vpools,
+                                                   every)
         return targets
+
+    def _slot_args(self, group: list[Step]) -> tuple:
+        # A pooled decode pass's constant arguments for these forks: their slots [n], one
+        # row each [n], every row [n]. Kept while the batch stays the same (a server's
+        # batch changes only when a request joins or leaves).
+        key = tuple(st.slot for st in group)
+        got = self._slot_cache.get(key)
+        if got is None:
+            if len(self._slot_cache) > 64:
+                self._slot_cache.clear()
+            slots = torch.tensor(key, device=self.device)
+            got = self._slot_cache[key] = (slots, torch.ones_like(slots),
+                                           torch.arange(len(key), device=self.device))
+        return got
 
     def _pooled_passes(self, group: list[Step]) -> dict:
         # round_many's trunk and head passes for pooled forks: one trunk_pool call and one
@@ -685,25 +705,22 @@ class FastDecoder:
         return ([torch.tensor(d, dtype=torch.long, device=self.device) for d in drafts],
                 [torch.stack(q) if q else None for q in qs])
 
-    def _lean_round(self, group: list[Step], args: list, k: int, pooled: bool) -> list:
+    def _lean_round(self, group: list[Step], k: int, pooled: bool) -> list:
         # Rounds of one row each (the pending token) that draft nothing, as decode steps:
-        # round_many(lean=True)'s results without its bookkeeping. Built for all sequences
-        # in a few tensor ops (a few a sequence made a lean round cost clearly more than the
-        # decode step it runs, and the lean regime is where that matters).
+        # round_many's results for them (no drafts accepted, k placeholder drafts) as host
+        # lists (what the generation reads), from one read of the targets. Tensor ops a
+        # sequence made a lean round cost clearly more than the decode step it runs, and
+        # the lean regime is where that matters.
         if pooled:
-            targets = self._decode_pooled(group, args)
+            ids = torch.tensor([[st.ids[0] for st in group]], device=self.device)
+            targets = self._decode_pooled(group, ids, torch.cat([st.args[1] for st in group]))
         else:
-            targets = torch.cat(self.programs.decode_many([(a[0], a[1], a[2], a[3], a[6])
-                                                           for a in args]))
-        forms = self._lean_forms.get(k)
-        if forms is None:
-            # Each row [target, n = 0, k placeholder drafts] as target times [1, 0, 1..1];
-            # the drafts' probability 0 marks them as no drafts (_drafted).
-            mask = torch.ones(k + 2, dtype=targets.dtype, device=self.device)
-            mask[1] = 0
-            forms = self._lean_forms[k] = (mask, torch.zeros(k, device=self.device))
-        mask, none = forms
-        return [(row, none) for row in (targets[:, None] * mask).unbind(0)]
+            targets = torch.cat(self.programs.decode_many(
+                [(st.args[0][:, :1], *st.args[1:4], st.args[6]) for st in group]))
+        # Each row: the target, n = 0 drafts accepted, k placeholder drafts of probability
+        # 0 (no drafts, _drafted).
+        none = [0.0] * k
+        return [([t, 0] + [t] * k, none) for t in targets.tolist()]
 
     @property
     def samples(self) -> bool:
@@ -795,7 +812,7 @@ class FastDecoder:
             # each cost a visible share of a lean round.
             if host is None:
                 host = [int(pending)] + drafts.tolist()
-            ps = [] if probs is None else probs.tolist()
+            ps = [] if probs is None else probs if isinstance(probs, list) else probs.tolist()
             kk = k
             if self.draft_p_min is not None:
                 ok = [p >= self.draft_p_min for p in ps]
@@ -809,8 +826,9 @@ class FastDecoder:
             # does not count them.
             odds = ps[:kk]
             drafting = _drafted(odds)
-            out, probs = yield Step("round", t, k, args, slot=self.slot, odds=odds)
-            vals = out.tolist()  # the one host read per round
+            out, probs = yield Step("round", t, k, args, slot=self.slot, odds=odds, ids=host)
+            # The one host read per round (a lean batched round answers with host lists).
+            vals = out if isinstance(out, list) else out.tolist()
             # A batched round may have verified fewer of the drafts (run_many).
             t = len(vals) - 1 - k
             n = vals[t]
@@ -842,6 +860,7 @@ class Step:
     slot: int | None = None  # the generation's slot in its decoder's pool (make_pool)
     # round: the head's probabilities of its drafts [t - 1], read once on the host
     odds: list[float] | None = None
+    ids: list[int] | None = None  # round: its tokens on the host, the pending one first
     sampler: _Sampler | None = None  # sample: the request's settings and random stream
 
 

@@ -508,7 +508,7 @@ class Programs(nn.Module):
         return list(picks.split(1))
 
     @every_row_exact()
-    def round_many(self, items, k: int, trunk=None, head=None, lean: bool = False):
+    def round_many(self, items, k: int, trunk=None, head=None):
         """round() of several sequences, items = [(tokens, pos0, kc, vc, hk, hv, span)],
         with one trunk pass and one head pass per draft step -> [(out, probs)].
         The passes (default: trunk_rows and head_rows over the items' own caches) take
@@ -517,10 +517,7 @@ class Programs(nn.Module):
         argmaxes [N], the head's input states [1, N, D]); ``head(ids, states, pos, seqs)``
         over ids [1, M], states [1, M, D] at pos [M], seqs = [(rows, hk, hv, span)] a
         sequence -> (the states drafts are picked from, the states chained steps read)
-        [1, M, D]. ``lean``: the trunk pass only, no drafting: k placeholder drafts of
-        probability 0, which the next round verifies none of unless told to (any draft
-        verified is exact; the head's cache keeps no entries for these positions, which can
-        only cost the head some acceptance later)."""
+        [1, M, D]."""
         # The batch's rows stay in one tensor from pass to pass, and acceptance is counted
         # on the host from one read of the tokens and targets: a few tensor operations a
         # sequence, each tiny, had made a drafting round's bookkeeping cost as much as the
@@ -545,10 +542,6 @@ class Programs(nn.Module):
             while n < t - 1 and tok[a + n + 1] == tgt[a + n]:
                 n += 1
             ns.append(n)
-        if lean:
-            none = torch.zeros(k, device=dev)
-            return [(torch.tensor(tgt[a:a + t] + [n] + tgt[a + t - 1:a + t] * k, device=dev),
-                     none) for a, t, n in zip(starts, sizes, ns, strict=True)]
         # Head catch-up over every sequence's positions with its target tokens (round());
         # each sequence's row n is what the eager engine computes next.
         heads = [(hk, hv, span) for *_, hk, hv, span in items]
