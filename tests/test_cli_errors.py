@@ -257,7 +257,7 @@ def test_every_command_is_walked():
 @pytest.mark.parametrize("argv, module", [
     (["bench", "compare", "--out", "OUT"], "matplotlib"),
     (["bench", "offline", "--out", "OUT"], "matplotlib"),
-    (["bench", "serve", "--url", "http://127.0.0.1:9"], "httpx"),
+    (["bench", "serve", "--url", "http://127.0.0.1:9"], "aiohttp"),
 ])
 def test_missing_bench_extra_is_refused_before_any_work(bad, tmp_path, capsys, monkeypatch,
                                                         argv, module):

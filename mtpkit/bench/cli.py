@@ -554,7 +554,7 @@ def cmd_serve(a) -> int:
     from .common import parse_int_list, write_json
     from .prompts import load_prompts
 
-    require_extra("serve", "httpx")  # before any request
+    require_extra("serve", "aiohttp")  # before any request
     from .serve import ServeBench
 
     levels = parse_int_list(a.concurrency, "--concurrency", 1, 4096)

@@ -21,7 +21,8 @@ def _free_port() -> int:
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
-    import httpx
+    import urllib.error
+    import urllib.request
 
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -30,9 +31,10 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
             raise ValueError(f"llama-server exited with {proc.returncode} before it was "
                              f"ready; its last output:\n{tail}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):  # refused, not ready (503), timed out
             pass
         time.sleep(0.3)
     raise ValueError(f"llama-server did not answer {url}/health within {READY_TIMEOUT_S:.0f} s")

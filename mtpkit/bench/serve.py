@@ -4,6 +4,10 @@ Definitions follow vLLM's serving benchmark: TTFT is the time from sending a req
 first content chunk; ITL the gaps between content chunks; TPOT a request's (latency - TTFT)
 / (output tokens - 1); throughput divides by the wall time of the whole level. Spec-decode
 figures come from vLLM's Prometheus counters on /metrics, read before and after a level.
+
+The client is aiohttp: it shares the server's CPU when both run on one machine, and it
+spends about half the CPU time a streamed chunk that httpx does, time the server's model
+threads then keep.
 """
 
 from __future__ import annotations
@@ -153,40 +157,45 @@ class ServeBench:
         self._ready = False  # waited for and its model resolved (run)
 
     # -- server discovery ---------------------------------------------------------------
+    async def _get(self, client, url: str) -> tuple[int, str]:
+        # (status, body) of a GET; aiohttp's errors (and a timeout) as they come.
+        import aiohttp
+
+        async with client.get(url, headers=self.headers,
+                              timeout=aiohttp.ClientTimeout(total=30)) as r:
+            return r.status, await r.text(errors="replace")
+
     async def resolve_model(self, client) -> str:
         """The --model given, else the first model the server lists; a clear error if down."""
-        import httpx
-
         try:
-            r = await client.get(f"{self.api}/models", headers=self.headers, timeout=30)
-        except httpx.HTTPError as e:
+            status, text = await self._get(client, f"{self.api}/models")
+        except _ERRORS as e:
             raise ValueError(f"cannot reach the server at {self.root}: {_why(e)}") from None
         if self.model:
             return self.model
         try:
-            r.raise_for_status()
-            return r.json()["data"][0]["id"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-            raise ValueError(f"{self.api}/models did not list a model (HTTP {r.status_code}); "
+            if status != 200:
+                raise ValueError(status)
+            return json.loads(text)["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ValueError(f"{self.api}/models did not list a model (HTTP {status}); "
                              "pass --model NAME") from None
 
     async def wait_ready(self, client, timeout_s: float = 900.0) -> None:
         """Wait while the server's /health answers 503 (mtpkit serve and llama-server while
         the model loads: requests sent then fail, and a level would measure nothing); any
         other answer, or no /health at all, ends the wait."""
-        import httpx
-
         deadline, told = time.monotonic() + timeout_s, False
         while True:
             try:
-                r = await client.get(f"{self.root}/health", headers=self.headers, timeout=30)
-            except httpx.HTTPError:
+                status, text = await self._get(client, f"{self.root}/health")
+            except _ERRORS:
                 return  # unreachable: resolve_model says so
-            if r.status_code != 503:
+            if status != 503:
                 return
             if time.monotonic() > deadline:
                 raise ValueError(f"{self.root}/health still answers 503 after {timeout_s:.0f} s "
-                                 f"({r.text[:200]}): the server is not ready")
+                                 f"({text[:200]}): the server is not ready")
             if not told:
                 print(f"waiting for {self.root} to finish loading (/health: 503) ...",
                       file=sys.stderr)
@@ -195,15 +204,13 @@ class ServeBench:
 
     async def read_counters(self, client) -> dict | None:
         """Spec-decode counters from /metrics, or None (no endpoint, no counters)."""
-        import httpx
-
         try:
-            r = await client.get(f"{self.root}/metrics", headers=self.headers, timeout=30)
-        except httpx.HTTPError:
+            status, text = await self._get(client, f"{self.root}/metrics")
+        except _ERRORS:
             return None
-        if r.status_code != 200:
+        if status != 200:
             return None
-        return spec_counters(r.text)
+        return spec_counters(text)
 
     # -- one request ----------------------------------------------------------------------
     def payload(self, prompt: Prompt) -> tuple[str, dict]:
@@ -221,23 +228,21 @@ class ServeBench:
 
     async def one(self, client, rec: Request, t_level: float) -> Request:
         """Send one streaming request and fill in its record."""
-        import httpx
-
         url, body = self.payload(self.prompts[rec.prompt])
         t0 = time.perf_counter()
         rec.start_s = t0 - t_level
         last = None
         done = False
         try:
-            async with client.stream("POST", url, json=body, headers=self.headers,
-                                     timeout=self.timeout_s) as r:
-                if r.status_code != 200:
-                    text = (await r.aread()).decode("utf-8", "replace")
-                    rec.error = f"HTTP {r.status_code}: {text[:300]}"
+            async with client.post(url, json=body, headers=self.headers) as r:
+                if r.status != 200:
+                    text = await r.text(errors="replace")
+                    rec.error = f"HTTP {r.status}: {text[:300]}"
                     return rec
                 event = None
-                async for line in r.aiter_lines():
+                async for raw in r.content:  # one line at a time, its newline kept
                     now = time.perf_counter()
+                    line = raw.decode("utf-8", "replace").rstrip("\r\n")
                     if line.startswith("event:"):
                         event = line[6:].strip()
                         continue
@@ -271,7 +276,7 @@ class ServeBench:
                     if usage:
                         rec.usage_tokens = usage.get("completion_tokens")
                         rec.prompt_tokens = usage.get("prompt_tokens")
-        except httpx.HTTPError as e:
+        except _ERRORS as e:
             rec.error = f"{type(e).__name__}: {_why(e)}"
             return rec
         end = time.perf_counter()
@@ -313,11 +318,13 @@ class ServeBench:
 
     async def run(self, concurrencies: list[int], num_prompts: int, on_level=None) -> dict:
         """Every level in turn, on one connection pool sized for the largest."""
-        import httpx
+        import aiohttp
 
-        limits = httpx.Limits(max_connections=max(concurrencies) + 2,
-                              max_keepalive_connections=max(concurrencies) + 2)
-        async with httpx.AsyncClient(limits=limits, timeout=self.timeout_s) as client:
+        # --timeout bounds connecting and each wait for the next bytes, not a whole stream.
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout_s,
+                                        sock_read=self.timeout_s)
+        connector = aiohttp.TCPConnector(limit=max(concurrencies) + 2)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             if not self._ready:  # once: a peer's levels come in turn with this one's
                 await self.wait_ready(client)
                 self.model = await self.resolve_model(client)
@@ -371,3 +378,15 @@ def _content(chunk) -> bool:
 def _why(e: Exception) -> str:
     msg = str(e) or type(e).__name__
     return msg.splitlines()[0][:200]
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    try:
+        import aiohttp
+    except ImportError:  # the bench extra is missing: the CLI says so before any request
+        return (TimeoutError,)
+    # A line longer than the client's buffer is a ValueError (not a server we can read).
+    return (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, ValueError)
+
+
+_ERRORS = _client_errors()
