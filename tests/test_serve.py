@@ -429,6 +429,34 @@ def test_stalled_headers_are_cut_off(A):
     ok_request(A)
 
 
+def test_served_connections_send_small_writes_at_once():
+    """The server's listening socket names TCP, so that the connections asyncio accepts on
+    it get TCP_NODELAY: without it each request after a connection's first had its streamed
+    tokens held back by Nagle until the client's delayed ACK (about 40 ms, in one burst)."""
+    from mtpkit.serve.app import _bind
+
+    async def accepted_nodelay() -> int:
+        sock = _bind("127.0.0.1", 0)
+        got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport) -> None:
+                s = transport.get_extra_info("socket")
+                got.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            value = await asyncio.wait_for(got, 10)
+            writer.close()
+        finally:
+            server.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0
+
+
 def test_other_http_errors_in_openai_shape(A):
     r = httpx.get(A.url + "/v1/nothing-here")
     assert r.status_code == 404 and "message" in r.json()["error"]
