@@ -7,6 +7,7 @@ import asyncio
 import csv
 import inspect
 import json
+import re
 import shutil
 import socket
 import statistics
@@ -326,6 +327,65 @@ def test_serve_waits_for_a_loading_server(tmp_path, capsys):
     assert code == 0, err
     assert stub.health_calls == 4 and "finish loading" in err
     assert [lv["completed"] for lv in res["levels"]] == [4, 4]
+
+
+class _Closer:
+    """A raw HTTP/1.1 server that, as llama-server does, closes a connection shortly after
+    each streamed response without saying so (no ``Connection: close``); other requests
+    are answered on a kept-alive connection."""
+
+    def __enter__(self):
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self.handle, "127.0.0.1", 0), self.loop).result(10)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    async def handle(self, reader, writer):
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                size = re.search(r"(?i)content-length: *(\d+)", head)
+                if size:
+                    await reader.readexactly(int(size.group(1)))
+                if head.startswith("POST"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                 b"Transfer-Encoding: chunked\r\n\r\n")
+                    for i in range(3):
+                        event = json.dumps({"choices": [{"index": 0, "text": f"t{i} ",
+                                                         "finish_reason": None}]})
+                        data = f"data: {event}\n\n".encode()
+                        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    done = b"data: [DONE]\n\n"
+                    writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+                    await writer.drain()
+                    await asyncio.sleep(0.05)  # a next request sent meanwhile is lost
+                    break
+                body = b'{"data": [{"id": "closer"}]}' if "/models" in head else b"{}"
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+def test_serve_against_a_server_that_closes_after_each_stream(tmp_path, capsys):
+    """llama-server closes a connection after a stream without a ``Connection: close``: the
+    client must not send the next request down it (every request of a level succeeds)."""
+    with _Closer() as closer:
+        code, _, err, res = _serve(capsys, tmp_path, closer, "--endpoint", "completions",
+                                   levels="1", n=4)
+    assert code == 0, err
+    assert res["levels"][0]["completed"] == 4, res["levels"][0]
 
 
 def test_serve_with_a_peer_runs_levels_in_turn(tmp_path, capsys, monkeypatch):

@@ -323,7 +323,10 @@ class ServeBench:
         # --timeout bounds connecting and each wait for the next bytes, not a whole stream.
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout_s,
                                         sock_read=self.timeout_s)
-        connector = aiohttp.TCPConnector(limit=max(concurrencies) + 2)
+        # A connection a request: llama-server closes a connection after a stream without
+        # saying so, and aiohttp would send the next request down it (a failed request).
+        # vLLM's serving benchmark opens a session a request for the same reason.
+        connector = aiohttp.TCPConnector(limit=max(concurrencies) + 2, force_close=True)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             if not self._ready:  # once: a peer's levels come in turn with this one's
                 await self.wait_ready(client)
