@@ -138,12 +138,14 @@ class RoundCosts:
 # How much faster than lean rounds drafting rounds must be judged to be chosen. Near
 # break-even the judgement rests on noisy averages, and drafting has costs the round model
 # leaves out (the head's pass over every prompt, rounds whose drafts all turn out too
-# unlikely to verify, the exploring rounds), so a near tie goes to the lean rounds: on a CPU
-# where a few sequences already make the pass compute-bound, drafting rounds judged barely
-# better than lean ones made the server slower than no MTP. The margin stays small because
-# costs are left out on the other side too: a round that yields more tokens saves the
-# server's per-round work (events, bookkeeping), and a wider margin measured slower.
-DRAFT_MARGIN = 1.05
+# unlikely to verify, the exploring rounds). The way not running is also measured only in
+# short exploring windows, just after a switch, when rounds run slower than the same rounds
+# in a row (a lean round after drafting ones by about 5% on a 2-core CPU, more over HTTP):
+# while a server drafts, the lean cost reads high. With a margin of 1.05 a server at four
+# sequences on such a CPU drafted for whole runs that drafting lost (to 0.93x of no MTP);
+# at 1.10 it stays lean there, and at two and three sequences, where drafting wins by
+# 1.1-1.3x, it still drafts. A wider margin (1.2) gave up that win.
+DRAFT_MARGIN = 1.10
 
 
 def drafting_pays(samples: list[list[float]], n: int, cost: Callable[[int], float | None],
