@@ -712,7 +712,8 @@ class FastDecoder:
         # sequence made a lean round cost clearly more than the decode step it runs, and
         # the lean regime is where that matters.
         if pooled:
-            ids = torch.tensor([[st.ids[0] for st in group]], device=self.device)
+            ids = torch.tensor([[st.ids[0] if st.ids else int(st.args[0][0, 0])
+                                 for st in group]], device=self.device)
             targets = self._decode_pooled(group, ids, torch.cat([st.args[1] for st in group]))
         else:
             targets = torch.cat(self.programs.decode_many(
