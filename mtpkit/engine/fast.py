@@ -547,9 +547,9 @@ class FastDecoder:
         return targets
 
     def _slot_args(self, group: list[Step]) -> tuple:
-        # A pooled decode pass's constant arguments for these forks: their slots [n], one
-        # row each [n], every row [n]. Kept while the batch stays the same (a server's
-        # batch changes only when a request joins or leaves).
+        # Pooled passes' constant arguments for these forks: their slots [n], and for a
+        # decode pass one row each [n] and every row [n]. Kept while the batch stays the
+        # same (a server's batch changes only when a request joins or leaves).
         key = tuple(st.slot for st in group)
         got = self._slot_cache.get(key)
         if got is None:
@@ -563,7 +563,7 @@ class FastDecoder:
     def _pooled_passes(self, group: list[Step]) -> dict:
         # round_many's trunk and head passes for pooled forks: one trunk_pool call and one
         # head_pool call a pass, whatever the batch (each sequence's caches are its slot).
-        slots = torch.tensor([st.slot for st in group], device=self.device)
+        slots = self._slot_args(group)[0]
         kpools, vpools, hk, hv = self._pool
         trunk_fn, head_fn = self.program("trunk_pool"), self.program("head_pool")
 
@@ -599,7 +599,7 @@ class FastDecoder:
         dev = self.device
         if pooled:
             (kpools, vpools, hk, hv) = self._pool
-            slots = torch.tensor([st.slot for st in group], device=dev)
+            slots = self._slot_args(group)[0]
         else:
             (kpools, vpools, hk, hv), slots = self._pools_of(None, *group[0].args[2:])
         tokens = [st.args[0] for st in group]
