@@ -80,10 +80,15 @@ class RoundCosts:
     # exploring round now and then, and a cost of its from a slow moment, averaged in at
     # 0.3 a sample, held the other regime's choice for hundreds of rounds.
     RESTART_S = 1.0
+    # The most rounds a count's average weighs as in the fit (estimate): the moving average
+    # holds about this many rounds' worth.
+    FIT_CAP = 6
 
     def __init__(self, max_age_s: float = MAX_AGE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.seconds: dict[int, float] = {}  # rows -> moving average
+        self._samples: dict[int, int] = {}  # rows -> rounds in that average (FIT_CAP most)
+        self._line: tuple[float, float] | None = None  # the fit (estimate), until a change
         self.turns = 0
         self._when: dict[int, float] = {}  # rows -> when last measured
         self._oldest = math.inf  # no entry was measured before this
@@ -99,6 +104,8 @@ class RoundCosts:
             old = None
         # The machine's speed moves (shared CPUs), so recent rounds weigh most.
         self.seconds[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        self._samples[rows] = 1 if old is None else min(self._samples[rows] + 1, self.FIT_CAP)
+        self._line = None
         self._when[rows] = now
         self._oldest = min(self._oldest, now)
         self.turns += 1
@@ -113,16 +120,30 @@ class RoundCosts:
         return self.seconds
 
     def estimate(self, rows: int) -> float | None:
-        """Seconds of a round of this many rows: measured, else that of the next larger
-        measured count when a smaller one is measured too (more rows never cost less),
-        else None."""
+        """Seconds of a round of this many rows, from the fewest to the most rows measured
+        lately (else None): the line through every measured count's average, each weighed
+        by the rounds behind it."""
+        # A count measured once stands on one round's time, which on a shared CPU moves by
+        # a third from round to round, and the choices take the best of many counts: so
+        # the count with the luckiest time. Read alone, one such time (ten rows at the cost
+        # of eight) made a server at eight sequences draft at a loss for a hundred rounds.
+        # A round's cost grows about linearly with its rows (each is the same work), so one
+        # line through all the counts stands on all their rounds.
         self._expire()
-        if rows in self.seconds:
-            return self.seconds[rows]
-        above = [r for r in self.seconds if r > rows]
-        if above and any(r < rows for r in self.seconds):
-            return self.seconds[min(above)]
-        return None
+        if not self.seconds or not min(self.seconds) <= rows <= max(self.seconds):
+            return None
+        if self._line is None:
+            w = {r: float(self._samples[r]) for r in self.seconds}
+            total = sum(w.values())
+            mr = sum(w[r] * r for r in w) / total
+            ms = sum(w[r] * s for r, s in self.seconds.items()) / total
+            var = sum(w[r] * (r - mr) ** 2 for r in w)
+            slope = sum(w[r] * (r - mr) * (s - ms) for r, s in self.seconds.items()) / var \
+                if var else 0.0
+            # More rows never cost less: a falling fit is noise, and the mean stands.
+            slope = max(slope, 0.0)
+            self._line = ms - slope * mr, slope
+        return self._line[0] + self._line[1] * rows
 
     def _expire(self) -> None:
         # Every estimate asks (choose_drafts asks one a row count each round): look through
@@ -131,7 +152,8 @@ class RoundCosts:
         if now - self._oldest <= self._max_age_s:
             return
         for rows in [r for r, t in self._when.items() if now - t > self._max_age_s]:
-            del self.seconds[rows], self._when[rows]
+            del self.seconds[rows], self._when[rows], self._samples[rows]
+            self._line = None
         self._oldest = min(self._when.values(), default=math.inf)
 
 
