@@ -10,6 +10,7 @@ import pytest
 
 from mtpkit.engine.budget import (
     DRAFT_MARGIN,
+    EXPLORE,
     DraftOdds,
     RoundChoices,
     RoundCosts,
@@ -253,3 +254,30 @@ def test_round_choices_measure_both_ways_then_verify_what_pays():
     # 2 tokens in 6 ms lean, 2.9 in 6.5 ms with the likely draft, 3.0 in 10 ms with both.
     assert rc.drafts_to_verify(1, [1, 1], probs) == [1, 0]
     assert rc.drafts_to_verify(1, [1, 1], None) == [0, 0]
+
+
+def test_drafting_is_taken_up_again_only_on_drafting_costs_timed_lately():
+    """A lean batch turns to drafting only where the drafting rounds whose costs say it
+    pays were timed within RESTART_S: a lean cost measured in a slow moment against
+    drafting costs from another one does not count. Costs timed lately do, and the
+    exploring rounds (two in a row every 4 EXPLORE) time them."""
+    now = [0.0]
+    rc = RoundChoices(clock=lambda: now[0])
+    rc.note_drafts([1.0])
+    rc.record(1, 8, 16, 0.012, lean=False)  # 16 sure tokens in 12 ms
+    rc.record(1, 8, 8, 0.0095, lean=False)
+    rc.record(1, 8, 8, 0.010, lean=True)  # 8 tokens in 10 ms
+    assert not rc.lean(1, 8)  # drafting pays, on costs timed just now
+    now[0] = RoundCosts.RESTART_S + 0.5
+    rc.record(1, 8, 8, 0.0105, lean=True)
+    assert rc.lean(1, 8)  # the same judgement, on a 16-row cost from another moment
+    rc.record(1, 8, 16, 0.012, lean=False)
+    assert not rc.lean(1, 8)
+    # The exploring rounds: turns 64 and 65 of the batch's rounds take the other way.
+    while (rc.round_costs[1, 8].turns + rc.lean_costs[1, 8].turns) % (4 * EXPLORE):
+        rc.record(1, 8, 16, 0.012, lean=False)
+    assert rc.lean(1, 8)
+    rc.record(1, 8, 8, 0.010, lean=True)
+    assert rc.lean(1, 8)
+    rc.record(1, 8, 8, 0.010, lean=True)
+    assert not rc.lean(1, 8)

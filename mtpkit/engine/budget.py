@@ -110,6 +110,12 @@ class RoundCosts:
         self._oldest = min(self._oldest, now)
         self.turns += 1
 
+    def age_above(self, rows: int) -> float:
+        """Seconds since a round of more than ``rows`` rows was measured (inf: none kept)."""
+        self._expire()
+        return self._clock() - max((t for r, t in self._when.items() if r > rows),
+                                   default=-math.inf)
+
     def known(self, rows: int) -> bool:
         """Whether rounds of this many rows have been measured lately."""
         return rows in self.fresh()
@@ -253,7 +259,8 @@ class RoundChoices:
     one pass for a batch or a program call each (batch_pays), whether a round drafts (lean)
     and which drafts it verifies (drafts_to_verify). A decoder and its forks share one."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock  # the round costs' (RoundCosts)
         self._times: dict[tuple, float] = {}  # (kind, k, sequences; 1 = a call each) -> s
         self._counts: dict[tuple, int] = {}
         self.round_costs: dict[tuple, RoundCosts] = {}  # (k, sequences) -> round costs
@@ -293,7 +300,7 @@ class RoundChoices:
     def record(self, k: int, n: int, rows: int, seconds: float, lean: bool) -> None:
         """Note a greedy batched round of n sequences verifying rows rows."""
         costs = self.lean_costs if lean else self.round_costs
-        costs.setdefault((k, n), RoundCosts()).record(rows, seconds)
+        costs.setdefault((k, n), RoundCosts(clock=self._clock)).record(rows, seconds)
 
     def record_sampled(self, k: int, n: int, rows: int, seconds: float, drew: bool) -> None:
         """Note a sampled batched round: drafting rounds draw; lean ones neither draw nor
@@ -302,7 +309,7 @@ class RoundChoices:
         costs = (self.sample_costs if drew
                  else self.sample_lean_costs if rows == n else None)
         if costs is not None:
-            costs.setdefault((k, n), RoundCosts()).record(rows, seconds)
+            costs.setdefault((k, n), RoundCosts(clock=self._clock)).record(rows, seconds)
 
     def note_sampled(self, accepted: int, drafts: int) -> None:
         """Note a sampled round's outcome: of its drafts, the first ``accepted`` accepted."""
@@ -320,8 +327,9 @@ class RoundChoices:
         # At a batch size where the head's drafts cost more than their accepted tokens
         # bring, MTP would make the server slower than no MTP: its rounds then run the
         # trunk only. Drafting rounds that verify drafts are measured first, then a lean
-        # one; then the measured costs decide, except every EXPLORE-th round, which takes
-        # the other way to keep both costs current (and the head's probabilities known). A
+        # one; then the measured costs decide, except two rounds in every 4 EXPLORE, which
+        # take the other way to keep both costs current (the first of two drafting rounds
+        # verifies no drafts, the second does; and the head's probabilities known). A
         # cost not measured lately is forgotten (RoundCosts) and measured again the same
         # way. ``sampled``: of sampled rounds, whose costs are kept apart and whose chance
         # of acceptance is the counted one (with one hit and one miss of prior), not the
@@ -346,7 +354,17 @@ class RoundChoices:
         if lean_seconds is None:
             return True
         pays = pays_at(full.estimate, lean_seconds)
-        return pays if (full.turns + lean.turns) % (4 * EXPLORE) == 0 else not pays
+        if pays and not sampled and full.age_above(n) > RoundCosts.RESTART_S:
+            # Lean rounds measure their cost every round, and a slow moment of the machine
+            # raises it at once, while drafting rounds that verify drafts were last timed
+            # at another moment: against those, each such moment judged drafting faster,
+            # and a server at eight sequences drafted in bursts at a loss, a quarter of
+            # its rounds. So drafting is taken up again only on costs of drafting rounds
+            # timed lately: the exploring rounds' (two in a row, the second verifying
+            # drafts), or those of a new cost table (after the old one was forgotten).
+            pays = False
+        explore = (full.turns + lean.turns) % (4 * EXPLORE) < 2
+        return pays if explore else not pays
 
     def lean_prompt(self, k: int, n: int) -> bool:
         """Whether a greedy prompt that joins batched rounds of n sequences (itself
@@ -369,7 +387,7 @@ class RoundChoices:
         n, most = len(full), sum(full)
         if probs is None:
             return [0] * n
-        costs = self.round_costs.setdefault((k, n), RoundCosts())
+        costs = self.round_costs.setdefault((k, n), RoundCosts(clock=self._clock))
         if not costs.known(n + most):
             return full
         if not costs.known(n):
