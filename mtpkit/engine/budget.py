@@ -139,7 +139,7 @@ class RoundCosts:
         if not self.seconds or not min(self.seconds) <= rows <= max(self.seconds):
             return None
         if self._line is None:
-            w = {r: float(self._samples[r]) for r in self.seconds}
+            w = self._samples  # the same counts as self.seconds
             total = sum(w.values())
             mr = sum(w[r] * r for r in w) / total
             ms = sum(w[r] * s for r, s in self.seconds.items()) / total
