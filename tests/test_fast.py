@@ -1142,7 +1142,7 @@ def test_a_prompt_joining_lean_rounds_skips_the_heads_pass(lean, engine_factory,
         assert (not hk[2].any()) == skipped, joining
         step = next(gen)
         if skipped:
-            assert step.args[0].tolist() == [first * (k + 1)] and step.odds == [0.0] * k
+            assert step.ids == first * (k + 1) and step.odds == [0.0] * k
         else:
             assert all(p > 0 for p in step.odds)
         out = fork.run(step)

@@ -444,7 +444,14 @@ class FastDecoder:
         """One program call a generation asked for."""
         if step.kind == "sample":
             return self._sample_many([step], step.k)[0]
-        return self.program(step.kind, step.t, step.k)(*step.args)
+        args = step.args if step.kind != "round" else (self._tokens(step, step.t), *step.args[1:])
+        return self.program(step.kind, step.t, step.k)(*args)
+
+    def _tokens(self, step: Step, rows: int) -> torch.Tensor:
+        # A round's first rows tokens [1, rows], made from its host ints when a pass needs
+        # them: a lean round reads only the pending one (ids), and a tensor made for every
+        # sequence's every round cost a lean round visibly more than the decode step it is.
+        return torch.tensor([step.ids[:rows]], device=self.device)
 
     @torch.inference_mode()
     def run_many(self, steps: list[Step]) -> list:
@@ -521,10 +528,9 @@ class FastDecoder:
                         for ps, real in zip(probs, drafted, strict=True):
                             if real:
                                 self.choices.note_drafts(ps)
-                    take = self.choices.drafts_to_verify(
-                        k, [st.args[0].shape[1] - 1 for st in group], probs)
+                    take = self.choices.drafts_to_verify(k, [st.t - 1 for st in group], probs)
                     # Fewer rows verified: the pending token and the drafts chosen.
-                    args = [(st.args[0][:, : c + 1], *st.args[1:])
+                    args = [(self._tokens(st, c + 1), *st.args[1:])
                             for st, c in zip(group, take, strict=True)]
                     passes = self._pooled_passes(group) if pooled else {}
                     got = pr.round_many(args, k, **passes)
@@ -712,12 +718,11 @@ class FastDecoder:
         # sequence made a lean round cost clearly more than the decode step it runs, and
         # the lean regime is where that matters.
         if pooled:
-            ids = torch.tensor([[st.ids[0] if st.ids else int(st.args[0][0, 0])
-                                 for st in group]], device=self.device)
+            ids = torch.tensor([[st.ids[0] for st in group]], device=self.device)
             targets = self._decode_pooled(group, ids, torch.cat([st.args[1] for st in group]))
         else:
             targets = torch.cat(self.programs.decode_many(
-                [(st.args[0][:, :1], *st.args[1:4], st.args[6]) for st in group]))
+                [(self._tokens(st, 1), *st.args[1:4], st.args[6]) for st in group]))
         # Each row: the target, n = 0 drafts accepted, k placeholder drafts of probability
         # 0 (no drafts, _drafted).
         none = [0.0] * k
@@ -820,8 +825,8 @@ class FastDecoder:
                 kk = ok.index(False) if False in ok else k
             t = kk + 1
             with torch.inference_mode():
-                args = (torch.tensor([host[:t]], device=dev), torch.tensor([at], device=dev),
-                        *self.kv, self.hk, self.hv, self.span(at + max(SPAN_STEP, 2 * k + 2)))
+                args = (None, torch.tensor([at], device=dev), *self.kv, self.hk, self.hv,
+                        self.span(at + max(SPAN_STEP, 2 * k + 2)))
             # A lean batched round's placeholders (probability 0, run_many) are no drafts:
             # a round that verifies them anyway (a lone round program verifies all k)
             # does not count them.
@@ -856,12 +861,15 @@ class Step:
     kind: str  # "decode" or "round"
     t: int  # rows verified (round)
     k: int  # draft depth (round)
-    args: tuple  # the program's arguments: tokens, position, the generation's caches, span
+    # The program's arguments: tokens (a round's None: made from ids when run), position,
+    # the generation's caches, span.
+    args: tuple
     probs: torch.Tensor | None = None  # sample: the distributions the drafts were drawn from [k, V]
     slot: int | None = None  # the generation's slot in its decoder's pool (make_pool)
     # round: the head's probabilities of its drafts [t - 1], read once on the host
     odds: list[float] | None = None
-    ids: list[int] | None = None  # round: its tokens on the host, the pending one first
+    # round: its tokens on the host, the pending one first (the first t are verified)
+    ids: list[int] | None = None
     sampler: _Sampler | None = None  # sample: the request's settings and random stream
 
 
