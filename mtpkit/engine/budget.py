@@ -299,8 +299,7 @@ class RoundChoices:
 
     def record(self, k: int, n: int, rows: int, seconds: float, lean: bool) -> None:
         """Note a greedy batched round of n sequences verifying rows rows."""
-        costs = self.lean_costs if lean else self.round_costs
-        costs.setdefault((k, n), RoundCosts(clock=self._clock)).record(rows, seconds)
+        self._costs(self.lean_costs if lean else self.round_costs, k, n).record(rows, seconds)
 
     def record_sampled(self, k: int, n: int, rows: int, seconds: float, drew: bool) -> None:
         """Note a sampled batched round: drafting rounds draw; lean ones neither draw nor
@@ -309,7 +308,15 @@ class RoundChoices:
         costs = (self.sample_costs if drew
                  else self.sample_lean_costs if rows == n else None)
         if costs is not None:
-            costs.setdefault((k, n), RoundCosts(clock=self._clock)).record(rows, seconds)
+            self._costs(costs, k, n).record(rows, seconds)
+
+    def _costs(self, table: dict[tuple, RoundCosts], k: int, n: int) -> RoundCosts:
+        # The batch's entry of a cost table, made on first use (not one made and dropped
+        # every round, as setdefault would).
+        costs = table.get((k, n))
+        if costs is None:
+            costs = table[k, n] = RoundCosts(clock=self._clock)
+        return costs
 
     def note_sampled(self, accepted: int, drafts: int) -> None:
         """Note a sampled round's outcome: of its drafts, the first ``accepted`` accepted."""
@@ -387,7 +394,7 @@ class RoundChoices:
         n, most = len(full), sum(full)
         if probs is None:
             return [0] * n
-        costs = self.round_costs.setdefault((k, n), RoundCosts(clock=self._clock))
+        costs = self._costs(self.round_costs, k, n)
         if not costs.known(n + most):
             return full
         if not costs.known(n):
