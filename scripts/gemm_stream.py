@@ -6,8 +6,9 @@ each its own tensor as in a model, go through the kernel one after another with 
 activations; the same number of bytes is then summed by torch (what ``mtpkit bench``
 calls the read bandwidth). Each turn prints the best of five passes of each and their ratio:
 how close the kernel alone comes to the memory's read speed, apart from a step's attention
-and glue. Kinds: f32 (f32_mm), a8 (W8A8, int8_a8_mm), a4 (W4A8 in groups of 32 with zero
-points, int4_a8_mm). Usage: python scripts/gemm_stream.py {f32,a8,a4} [ROWS]
+and glue. Kinds: f32 (f32_mm), a8 (W8A8, int8_a8_mm), a16 (W8A16, int8_a16_mm: the built-in
+model's), a4 (W4A8 in groups of 32 with zero points, int4_a8_mm).
+Usage: python scripts/gemm_stream.py {f32,a8,a16,a4} [ROWS]
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ def main() -> None:
     """Print five turns of kernel time against sum time for the whole weight set."""
     kind = sys.argv[1] if len(sys.argv) > 1 else "f32"
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    if kind not in ("f32", "a8", "a4") or not int8_mm_available():
-        sys.exit("usage: python scripts/gemm_stream.py {f32,a8,a4} [ROWS] (needs mtpkit's "
-                 "kernels)")
+    if kind not in ("f32", "a8", "a16", "a4") or not int8_mm_available():
+        sys.exit("usage: python scripts/gemm_stream.py {f32,a8,a16,a4} [ROWS] (needs "
+                 "mtpkit's kernels)")
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
     if kind == "f32":
         op = torch.ops.mtpkit.f32_mm
         ws = [(torch.randn(n, k, generator=g),) for n, k in SHAPES]
-    elif kind == "a8":
-        op = torch.ops.mtpkit.int8_a8_mm
+    elif kind in ("a8", "a16"):
+        op = torch.ops.mtpkit.int8_a8_mm if kind == "a8" else torch.ops.mtpkit.int8_a16_mm
         ws = [pack_a8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
                       torch.rand(n, generator=g)) for n, k in SHAPES]
     else:

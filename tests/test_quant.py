@@ -130,8 +130,9 @@ def test_int8_a16_kernel_is_its_reference_and_row_independent(n, k):
     g = torch.Generator().manual_seed(5)
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) * 0.05 + 0.01
-    # Channels of very different sizes, as a trunk's activations have.
-    x = torch.randn(9, k, generator=g) * torch.rand(k, generator=g) ** 3 * 8
+    # Channels of very different sizes, as a trunk's activations have; 17 rows are 34 int8
+    # rows under VNNI, three passes of its loop.
+    x = torch.randn(17, k, generator=g) * torch.rand(k, generator=g) ** 3 * 8
     x[4] = 0
     w, s, colsum = pack_a8(codes, scale)
 
@@ -147,8 +148,8 @@ def test_int8_a16_kernel_is_its_reference_and_row_independent(n, k):
     a8_err = ((((q.double() * xs.double()[:, None]) @ (codes.double() * scale.double()[:, None]).T)
                - want).abs().max() / want.abs().max())
     assert err < 2e-4 and err < a8_err / 30
-    for rows in range(1, 10):
-        for start in range(0, 10 - rows):
+    for rows in range(1, 18):
+        for start in range(0, 18 - rows, 3):
             assert torch.equal(mm(x[start:start + rows].contiguous()), got[start:start + rows])
     with pytest.raises(RuntimeError, match="float32"):
         mm(x.double())
@@ -323,7 +324,8 @@ def test_w8a8_reference_and_kernel_agree_bit_for_bit(n, k):
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     codes[0, :] = -128
     scale = torch.rand(n, generator=g) * 0.05 + 0.01
-    x = torch.randn(11, k, generator=g)  # past 8 rows: VNNI passes take 8 at a time
+    # Past two passes: VNNI passes take 16 rows at a time, block by block beyond one pass.
+    x = torch.randn(35, k, generator=g)
     x[2] = 0
     x[3, 0] = 1e4  # one outlier takes the whole row's scale
     want = _a8_float64(x, codes, scale)
@@ -338,8 +340,8 @@ def test_w8a8_reference_and_kernel_agree_bit_for_bit(n, k):
         for nt in (1, 2, 3):
             torch.set_num_threads(nt)
             assert torch.equal(torch.ops.mtpkit.int8_a8_mm(x, *packed)[:, :n], want), nt
-            for rows in range(1, 12):
-                for start in range(0, 12 - rows, 3):
+            for rows in range(1, 36):
+                for start in range(0, 36 - rows, 7):
                     part = x[start:start + rows].contiguous()
                     assert torch.equal(torch.ops.mtpkit.int8_a8_mm(part, *packed)[:, :n],
                                        want[start:start + rows]), (nt, rows, start)

@@ -24,7 +24,9 @@ inline int64_t a8_piece(int64_t K4) {
 // Rows a8_rows takes in one pass at most (over_rows<kPass>). VNNI: eight, their 16
 // accumulators in AVX-512's 32 registers, so a 64-byte run loaded once serves twice the rows
 // it served at four; in a server's steps of several sequences (W8A16's two int8 rows a row)
-// the GEMMs are that much less bound by the loop. AVX2's 16 registers hold four rows.
+// the GEMMs are that much less bound by the loop. (Passes of 16, an accumulator a row,
+// made a trunk's GEMMs of 16 rows slower than two passes of 8 over each block.) AVX2's 16
+// registers hold four rows.
 constexpr int kPass = MTPKIT_VNNI ? 8 : 4;
 
 // R quantized rows (K4 bytes each; q + 128 under VNNI) against column blocks [b0, b1) of 16.
@@ -39,27 +41,37 @@ __attribute__((noinline)) void a8_rows(const int8_t* q, const float* xs, int64_t
                                        float* y, int64_t N16, int64_t b0, int64_t b1) {
   constexpr int U = R == 1 ? 4 : 2;
   const int64_t T = K4 / 4, Tu = T - T % U;
+  const int32_t* qi = reinterpret_cast<const int32_t*>(q);  // a row's 4-byte groups
   for (int64_t b = b0; b < b1; b++) {
     const int8_t* wb = w + b * 16 * K4;
-    __m512i acc[R][U];
-    for (int r = 0; r < R; r++)
-      for (int u = 0; u < U; u++) acc[r][u] = _mm512_setzero_si512();
-    auto step = [&](int64_t t, int u) {
-      const __m512i wv = _mm512_loadu_si512((const void*)(wb + 64 * t));
-      for (int r = 0; r < R; r++)
-        acc[r][u] = _mm512_dpbusd_epi32(
-            acc[r][u], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(q + r * K4 + 4 * t)), wv);
-    };
-    for (int64_t t = 0; t < Tu; t += U) {
-      for (int u = 0; u < U; u++) prefetch(wb + 64 * (t + u));
-      for (int u = 0; u < U; u++) step(t + u, u);
+    __m512i acc[U][R];
+#pragma GCC unroll 16
+    for (int u = 0; u < U; u++)
+#pragma GCC unroll 16
+      for (int r = 0; r < R; r++) acc[u][r] = _mm512_setzero_si512();
+    int64_t t = 0;
+    for (; t < Tu; t += U) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; u++) {
+        prefetch(wb + 64 * (t + u));
+        const __m512i wv = _mm512_loadu_si512((const void*)(wb + 64 * (t + u)));
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++)
+          acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], _mm512_set1_epi32(qi[r * T + t + u]), wv);
+      }
     }
-    for (int64_t t = Tu; t < T; t++) step(t, 0);
+    for (; t < T; t++) {
+      const __m512i wv = _mm512_loadu_si512((const void*)(wb + 64 * t));
+#pragma GCC unroll 16
+      for (int r = 0; r < R; r++)
+        acc[0][r] = _mm512_dpbusd_epi32(acc[0][r], _mm512_set1_epi32(qi[r * T + t]), wv);
+    }
     const __m512 sv = _mm512_loadu_ps(s + 16 * b);
     const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512((const void*)(colsum + 16 * b)), 7);
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
-      __m512i a = acc[r][0];
-      for (int u = 1; u < U; u++) a = _mm512_add_epi32(a, acc[r][u]);
+      __m512i a = acc[0][r];
+      for (int u = 1; u < U; u++) a = _mm512_add_epi32(a, acc[u][r]);
       a = _mm512_sub_epi32(a, off);
       // (float(sum) * xs) * scale, each product rounded as the scalar definition rounds it.
       _mm512_storeu_ps(y + r * N16 + 16 * b,
@@ -106,6 +118,25 @@ __attribute__((noinline)) void a8_rows(const int8_t* q, const float* xs, int64_t
   (void)colsum;
 }
 #endif
+
+// `rows` quantized rows against column blocks [c0, c1) in passes of up to kPass rows. Under
+// VNNI, where one pass cannot take them all, block by block: the passes after the first
+// find a block's codes in L1, where passes over a whole claimed range (often megabytes:
+// team.h claims a quarter of a share at first) streamed the codes from memory once a pass,
+// with the arithmetic waiting on it (a trunk's GEMMs of several W8A16 rows took about a
+// fifth less time block by block). AVX2's loop is bound by its arithmetic: there block by
+// block measured slightly slower.
+inline void a8_gemm_rows(const int8_t* q, const float* xs, int64_t rows, int64_t K4,
+                         const int8_t* w, const float* s, const int32_t* colsum, float* y,
+                         int64_t N16, int64_t c0, int64_t c1) {
+  const int64_t step = MTPKIT_VNNI && rows > kPass ? 1 : c1 - c0;
+  for (int64_t p0 = c0; p0 < c1; p0 += step) {
+    const int64_t p1 = std::min(c1, p0 + step);
+    mtpkit_simd::over_rows<kPass>(rows, [&](auto R, int64_t m) {
+      a8_rows<R.value>(q + m * K4, xs + m, K4, w, s, colsum, y + m * N16, N16, p0, p1);
+    });
+  }
+}
 
 }  // namespace mtpkit_a8
 #endif

@@ -43,8 +43,7 @@
 #include "simd.h"
 #include "team.h"
 
-using mtpkit_a8::a8_rows;
-using mtpkit_simd::over_rows;
+using mtpkit_a8::a8_gemm_rows;
 using mtpkit_simd::prefetch;
 using mtpkit_simd::quantize_rows;
 using mtpkit_team::Member;
@@ -94,9 +93,7 @@ static void a8_team(const int8_t* q, const float* xs, int64_t rows, int64_t K4, 
       return;
     }
 #endif
-    over_rows<mtpkit_a8::kPass>(rows, [&](auto R, int64_t m) {
-      a8_rows<R.value>(q + m * K4, xs + m, K4, w, s, colsum, y + m * N16, N16, c0, c1);
-    });
+    a8_gemm_rows(q, xs, rows, K4, w, s, colsum, y, N16, c0, c1);
     after(c0, c1);
   };
   const int nt = team_size();
@@ -304,8 +301,10 @@ static at::Tensor int8_a16_mm(const at::Tensor& x, const at::Tensor& w, const at
       Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
       share_blocks(N16 / 16, mtpkit_a8::a8_piece(K4), me, [&](int64_t c0, int64_t c1) {
         // Rows two at a time over the claimed blocks: the first pair streams the codes from
-        // memory, later pairs find them in cache (a claim is ~16 KB). Widening a block
-        // once into scratch for every row measured slower than widening it again a pair.
+        // memory, later pairs read them again (from cache where the claim fits; taking the
+        // pairs block by block measured no faster, this loop being bound by its arithmetic).
+        // Widening a block once into scratch for every row measured slower than widening
+        // it again a pair.
         int64_t m = 0;
         for (; m + 2 <= M; m += 2)
           a16_rows<2>(qp + m * K4, xsp + m, K4, wp, sp, yp + m * N16, N16, c0, c1);

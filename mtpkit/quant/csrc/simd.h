@@ -126,22 +126,27 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
   }
 }
 
+// f(std::integral_constant<int, R>{}, m) for the rest of the rows, n of them (R <= n < Wide).
+template <int R, int Wide, class F>
+inline void rest_rows(int64_t n, int64_t m, const F& f) {
+  if constexpr (R < Wide) {
+    if (n == R)
+      f(std::integral_constant<int, R>{}, m);
+    else
+      rest_rows<R + 1, Wide>(n, m, f);
+  }
+}
+
 // Rows [0, M) in passes over the weights: f(std::integral_constant<int, R>{}, m) for rows
-// [m, m + R), Wide at a time (a kernel that holds that many rows' accumulators), then four,
-// then the rest (1-3) in one pass, so that the weights stream once per four rows (three
-// rows as 2 + 1 would stream the codes twice, which costs about half as much again). Each
-// kernel computes a row the same whatever pass it is in.
+// [m, m + R), Wide at a time (a kernel that holds that many rows' accumulators), then the
+// rest in one pass, so that the weights stream once per Wide rows (three rows as 2 + 1
+// would stream the codes twice, which costs about half as much again). Each kernel computes
+// a row the same whatever pass it is in.
 template <int Wide = 4, class F>
 inline void over_rows(int64_t M, const F& f) {
   int64_t m = 0;
-  if constexpr (Wide > 4)
-    for (; m + Wide <= M; m += Wide) f(std::integral_constant<int, Wide>{}, m);
-  for (; m + 4 <= M; m += 4) f(std::integral_constant<int, 4>{}, m);
-  switch (M - m) {
-    case 3: f(std::integral_constant<int, 3>{}, m); break;
-    case 2: f(std::integral_constant<int, 2>{}, m); break;
-    case 1: f(std::integral_constant<int, 1>{}, m); break;
-  }
+  for (; m + Wide <= M; m += Wide) f(std::integral_constant<int, Wide>{}, m);
+  if (M > m) rest_rows<1, Wide>(M - m, m, f);
 }
 
 // Threads split the output columns [0, N) in blocks of B (a kernel's column block) and call

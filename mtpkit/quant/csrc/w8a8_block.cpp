@@ -60,9 +60,7 @@
 
 namespace {
 
-using mtpkit_a8::a8_rows;
 using mtpkit_simd::hsum;
-using mtpkit_simd::over_rows;
 using mtpkit_simd::quantize_rows;
 using mtpkit_team::Member;
 using mtpkit_team::share_blocks;
@@ -99,10 +97,7 @@ template <class Done>
 void gemm_share(const int8_t* q, const float* xs, int64_t T, const Packed& w, float* y,
                 Member& me, const Done& done) {
   share_blocks(w.N16 / 16, mtpkit_a8::a8_piece(w.K4), me, [&](int64_t c0, int64_t c1) {
-    over_rows<mtpkit_a8::kPass>(T, [&](auto R, int64_t m) {
-      a8_rows<R.value>(q + m * w.K4, xs + m, w.K4, w.w, w.s, w.colsum, y + m * w.N16, w.N16, c0,
-                       c1);
-    });
+    mtpkit_a8::a8_gemm_rows(q, xs, T, w.K4, w.w, w.s, w.colsum, y, w.N16, c0, c1);
     done(c0, c1);
   });
 }
