@@ -444,13 +444,14 @@ class FastDecoder:
         """One program call a generation asked for."""
         if step.kind == "sample":
             return self._sample_many([step], step.k)[0]
-        args = step.args if step.kind != "round" else (self._tokens(step, step.t), *step.args[1:])
+        args = step.args if step.args[0] is not None else (self._tokens(step, step.t),
+                                                           *step.args[1:])
         return self.program(step.kind, step.t, step.k)(*args)
 
     def _tokens(self, step: Step, rows: int) -> torch.Tensor:
-        # A round's first rows tokens [1, rows], made from its host ints when a pass needs
-        # them: a lean round reads only the pending one (ids), and a tensor made for every
-        # sequence's every round cost a lean round visibly more than the decode step it is.
+        # A step's first rows tokens [1, rows], made from its host ints when a pass needs
+        # them: a batched decode step or lean round reads only the pending ones (ids), and a
+        # tensor made for every sequence's every step cost a batched step visibly more.
         return torch.tensor([step.ids[:rows]], device=self.device)
 
     @torch.inference_mode()
@@ -501,12 +502,7 @@ class FastDecoder:
             threads.tick()
             t0 = time.perf_counter()
             if kind == "decode":
-                if pooled:
-                    got = list(self._decode_pooled(
-                        group, torch.cat([st.args[0] for st in group], 1),
-                        torch.cat([st.args[1] for st in group])).split(1))
-                else:
-                    got = pr.decode_many([st.args for st in group])
+                got = self._decode_many(group, pooled)
                 self.choices.timed((kind, k, n), time.perf_counter() - t0)
             else:
                 if self.choices.lean(k, n):
@@ -717,16 +713,22 @@ class FastDecoder:
         # lists (what the generation reads), from one read of the targets. Tensor ops a
         # sequence made a lean round cost clearly more than the decode step it runs, and
         # the lean regime is where that matters.
+        # Each row: the target, n = 0 drafts accepted, k placeholder drafts of probability
+        # 0 (no drafts, _drafted).
+        none = [0.0] * k
+        return [([t, 0] + [t] * k, none) for t in self._decode_many(group, pooled)]
+
+    def _decode_many(self, group: list[Step], pooled: bool) -> list[int]:
+        # One-token steps of several generations (decode steps, or rounds that draft
+        # nothing) as one trunk pass: their next tokens as host ints, from one read. A
+        # round's caches sit where a decode step's do (args: pos, kc, vc; span last).
         if pooled:
             ids = torch.tensor([[st.ids[0] for st in group]], device=self.device)
             targets = self._decode_pooled(group, ids, torch.cat([st.args[1] for st in group]))
         else:
             targets = torch.cat(self.programs.decode_many(
-                [(self._tokens(st, 1), *st.args[1:4], st.args[6]) for st in group]))
-        # Each row: the target, n = 0 drafts accepted, k placeholder drafts of probability
-        # 0 (no drafts, _drafted).
-        none = [0.0] * k
-        return [([t, 0] + [t] * k, none) for t in targets.tolist()]
+                [(self._tokens(st, 1), *st.args[1:4], st.args[-1]) for st in group]))
+        return targets.tolist()
 
     @property
     def samples(self) -> bool:
@@ -804,14 +806,14 @@ class FastDecoder:
             if k == 0:
                 # Decode and round read the same span at a position (k <= 31), so a row's
                 # attention call is the same whichever step computes it.
+                # The token goes as a host int (tokens None: made when run), as a round's.
                 with torch.inference_mode():  # compiled programs' guards check the mode
-                    args = (pending.view(1, 1), torch.tensor([at], device=dev), *self.kv,
+                    args = (None, torch.tensor([at], device=dev), *self.kv,
                             self.span(at + SPAN_STEP))
-                nxt = yield Step("decode", 1, 0, args, slot=self.slot)
+                nxt = yield Step("decode", 1, 0, args, slot=self.slot, ids=emitted)
                 m.record(0, 0)
                 emitted = [int(nxt)]
                 at += 1
-                pending = nxt
                 continue
             # The round's tokens are built from host ints (the last round's one read): a
             # server steps many sequences a round, and slicing and joining small tensors for
@@ -861,14 +863,14 @@ class Step:
     kind: str  # "decode" or "round"
     t: int  # rows verified (round)
     k: int  # draft depth (round)
-    # The program's arguments: tokens (a round's None: made from ids when run), position,
-    # the generation's caches, span.
+    # The program's arguments: tokens (None: made from ids when run), position, the
+    # generation's caches, span.
     args: tuple
     probs: torch.Tensor | None = None  # sample: the distributions the drafts were drawn from [k, V]
     slot: int | None = None  # the generation's slot in its decoder's pool (make_pool)
     # round: the head's probabilities of its drafts [t - 1], read once on the host
     odds: list[float] | None = None
-    # round: its tokens on the host, the pending one first (the first t are verified)
+    # its tokens on the host, the pending one first (a round verifies the first t)
     ids: list[int] | None = None
     sampler: _Sampler | None = None  # sample: the request's settings and random stream
 
