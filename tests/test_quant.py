@@ -124,7 +124,8 @@ def test_int8_a16_kernel_is_its_reference_and_row_independent(n, k):
     (AVX2: one int16 row, its sums in chunks of 512 inputs; VNNI/AMX: two int8 rows, the
     row's int8 rounding and that of the remainder), within about 2^-14 of the float product
     where W8A8's one int8 row is 2^-8 off; each row the same bits whatever rows come with
-    it, and a zero row gives zeros."""
+    it and however many threads share the work (1-3: they quantize the rows too), and a zero
+    row gives zeros."""
     from mtpkit.quant.linear import a16_reference, pack_a8, quantize_rows
 
     g = torch.Generator().manual_seed(5)
@@ -148,9 +149,17 @@ def test_int8_a16_kernel_is_its_reference_and_row_independent(n, k):
     a8_err = ((((q.double() * xs.double()[:, None]) @ (codes.double() * scale.double()[:, None]).T)
                - want).abs().max() / want.abs().max())
     assert err < 2e-4 and err < a8_err / 30
-    for rows in range(1, 18):
-        for start in range(0, 18 - rows, 3):
-            assert torch.equal(mm(x[start:start + rows].contiguous()), got[start:start + rows])
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            assert torch.equal(mm(x), got), nt
+            for rows in range(1, 18):
+                for start in range(0, 18 - rows, 3):
+                    assert torch.equal(mm(x[start:start + rows].contiguous()),
+                                       got[start:start + rows]), (nt, rows, start)
+    finally:
+        torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match="float32"):
         mm(x.double())
     # Sums at their limit: every input at full scale against a column of -128 codes and one

@@ -33,6 +33,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -73,11 +74,16 @@ static void check_a8_args(const char* op, const at::Tensor& x, const at::Tensor&
 // claimed by the thread team (team.h) ~16 KB at least: the lm_head (a fifth of a small
 // model's step) in static halves left one thread waiting for the other where their streams
 // ran unevenly, as the fused layers' GEMMs did. after(c0, c1) runs on each claimed range
-// once its rows are done.
-template <class After>
+// once its rows are done. before(me), where given, runs first on every thread of the region
+// (a team barrier after it): work the GEMM's rows wait on, shared out by the team.
+struct NoBefore {
+  void operator()(Member&) const {}
+};
+
+template <class After, class Before = NoBefore>
 static void a8_team(const int8_t* q, const float* xs, int64_t rows, int64_t K4, const int8_t* w,
                     const float* s, const int32_t* colsum, float* y, int64_t N16,
-                    const After& after) {
+                    const After& after, const Before& before = Before{}) {
 #if MTPKIT_AMX
   // Several rows on AMX tiles where the CPU has them (amx.h: the same bits); q's rows are
   // then readable up to amx::padded(rows).
@@ -104,6 +110,10 @@ static void a8_team(const int8_t* q, const float* xs, int64_t rows, int64_t K4, 
     if (tiles) mtpkit_amx::configure(K4 / 4 % 16);
 #endif
     Member me{omp_get_thread_num(), omp_get_num_threads(), &crew};
+    if constexpr (!std::is_same_v<Before, NoBefore>) {
+      before(me);
+      if (me.nth > 1) me.barrier();
+    }
     share_blocks(N16 / 16, mtpkit_a8::a8_piece(K4), me, run);
 #if MTPKIT_AMX
     if (tiles) mtpkit_amx::release();
@@ -316,30 +326,42 @@ static at::Tensor int8_a16_mm(const at::Tensor& x, const at::Tensor& w, const at
 #elif defined(__AVX2__) && defined(__FMA__)
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> xs, r, y2;
+  const int nt = team_size();
   q.resize(a8_scratch_rows(2 * M) * K4);
   xs.resize(2 * M);
-  r.resize(K);
+  r.resize(nt * K);  // a thread's remainder row each
   y2.resize(2 * M * N16);
   const uint8_t flip = MTPKIT_VNNI ? 0x80 : 0;
   const float* xp = xc.data_ptr<float>();
-  for (int64_t m = 0; m < M; m++) {
-    const float* xm = xp + m * K;
-    int8_t* q1 = q.data() + 2 * m * K4;
-    quantize_rows(xm, 1, K, q1, xs.data() + 2 * m, K4, flip);
-    const float s1 = xs[2 * m];
-    // One rounding (fma), whatever the compiler would contract: linear.a16_reference.
-    for (int64_t k = 0; k < K; k++) r[k] = std::fma(-float(int8_t(q1[k] ^ int8_t(flip))), s1, xm[k]);
-    quantize_rows(r.data(), 1, K, q1 + K4, xs.data() + 2 * m + 1, K4, flip);
-  }
+  // Pointers, not the vectors: they are this thread's, and the team's others would read
+  // their own thread_local copies.
+  int8_t* qp = q.data();
+  float *xsp = xs.data(), *rp = r.data();
+  // Row m's two int8 rows, on the thread whose turn it is: the team quantizes the rows
+  // inside the GEMM's region, where one thread alone, before it, held the other idle for a
+  // twentieth of a server step of eight rows.
+  auto prepare = [&](Member& me) {
+    float* rm = rp + me.t * K;
+    for (int64_t m = me.t; m < M; m += me.nth) {
+      const float* xm = xp + m * K;
+      int8_t* q1 = qp + 2 * m * K4;
+      quantize_rows(xm, 1, K, q1, xsp + 2 * m, K4, flip);
+      const float s1 = xsp[2 * m];
+      // One rounding (fma), whatever the compiler would contract: linear.a16_reference.
+      for (int64_t k = 0; k < K; k++)
+        rm[k] = std::fma(-float(int8_t(q1[k] ^ int8_t(flip))), s1, xm[k]);
+      quantize_rows(rm, 1, K, q1 + K4, xsp + 2 * m + 1, K4, flip);
+    }
+  };
   const float* y2p = y2.data();
   float* yp = y.data_ptr<float>();
   // Each row's two partial products summed on the columns just computed (still in cache).
-  a8_team(q.data(), xs.data(), 2 * M, K4, wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
+  a8_team(qp, xsp, 2 * M, K4, wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
           cc.data_ptr<int32_t>(), y2.data(), N16, [&](int64_t c0, int64_t c1) {
             for (int64_t m = 0; m < M; m++)
               for (int64_t n = 16 * c0; n < 16 * c1; n++)
                 yp[m * N16 + n] = y2p[2 * m * N16 + n] + y2p[(2 * m + 1) * N16 + n];
-          });
+          }, prepare);
 #else
   TORCH_CHECK(false, "int8_a16_mm was built without AVX2/FMA");
 #endif
