@@ -9,7 +9,11 @@ tok/s, the ratio of the sums, how the batched rounds went (lean rounds that draf
 drafting rounds by rows verified, with their mean seconds), and how well the head's
 probability of a first draft predicted its acceptance (what the server's drafting choices,
 engine/budget.py, rely on).
-Usage: python scripts/server_mtp_ab.py [C=4] [PASSES=8] [REQUESTS=32]
+MODE: policy (the server's own drafting choices), draft (every batched round drafts), lean
+(every batched round is lean), or stub (lean, with the trunk's one-token pass replaced by a
+no-op, so that the times left are the scheduler's and the engine's own work; it also prints
+the median time of a sequence's turn in the scheduler; its text is garbage).
+Usage: python scripts/server_mtp_ab.py [C=4] [PASSES=8] [REQUESTS=32] [MODE=policy]
 """
 
 from __future__ import annotations
@@ -28,8 +32,15 @@ from mtpkit.engine.session import Session
 from mtpkit.serve.scheduler import Request, Scheduler
 
 
-def main(c: int = 4, passes: int = 8, requests: int = 32) -> None:
+def main(c: int = 4, passes: int = 8, requests: int = 32, mode: str = "policy") -> None:
     """Run the passes and print what they measured."""
+    if mode not in ("policy", "draft", "lean", "stub"):
+        sys.exit(f"unknown MODE {mode!r}: policy, draft, lean or stub")
+    if mode != "policy":
+        from mtpkit.engine import budget
+        budget.RoundChoices.lean = lambda self, k, n, sampled=False: mode != "draft" and n > 1
+    if mode == "stub":
+        fast_mod.FastDecoder._decode_pooled = lambda self, group, ids, pos: ids[0] + 1
     loaded = []
 
     def load():
@@ -90,6 +101,21 @@ def main(c: int = 4, passes: int = 8, requests: int = 32) -> None:
                     calib[b][1] += vals[t] >= 1
         return out
 
+    turns: dict[int, list[float]] = collections.defaultdict(list)  # k -> a turn's seconds
+    if mode == "stub":
+        from mtpkit.serve import scheduler as sched_mod
+
+        worker_turn = sched_mod._FastWorker.turn
+
+        def turn_timed(self):
+            t0 = time.perf_counter()
+            out = worker_turn(self)
+            if self.step is not None and self.step.kind in ("decode", "round"):
+                turns[sched.num_draft_tokens].append(time.perf_counter() - t0)
+            return out
+
+        sched_mod._FastWorker.turn = turn_timed
+
     fast_mod.FastDecoder.run_many = run_many_timed
     fast_mod.FastDecoder._lean_round = lean_round_timed
     Programs.round_many = round_many_timed
@@ -117,6 +143,7 @@ def main(c: int = 4, passes: int = 8, requests: int = 32) -> None:
             sched.num_draft_tokens = k
             run(c)
         rounds.clear()
+        turns.clear()
         calib[:] = [[0, 0] for _ in range(10)]
         rates: dict[int, list[float]] = {1: [], 0: []}
         for p in range(passes):
@@ -131,7 +158,11 @@ def main(c: int = 4, passes: int = 8, requests: int = 32) -> None:
     print("batched calls (k, kind, sequences, rows): count, mean ms")
     for key in sorted(rounds, key=str):
         n, s = rounds[key]
-        print(f"  {key}: {n}, {1000 * s / n:.1f}")
+        print(f"  {key}: {n}, {1000 * s / n:.3f}")
+    for k, ts in sorted(turns.items()):
+        # The median: a turn that runs a piece of a prompt takes far longer.
+        print(f"k={k}: a sequence's turn in the scheduler, median "
+              f"{1e6 * sorted(ts)[len(ts) // 2]:.1f} us ({len(ts)} turns)")
     print("first drafts verified, by the head's probability: count, accepted")
     for b, (n, a) in enumerate(calib):
         if n:
@@ -139,4 +170,4 @@ def main(c: int = 4, passes: int = 8, requests: int = 32) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:4]))
+    main(*(int(a) for a in sys.argv[1:4]), *sys.argv[4:5])
