@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import signal
 import sys
 import time
@@ -119,8 +120,13 @@ def _cmd_generate(a) -> int:
                 print(f"compiled programs: {st.loaded} loaded, {st.compiled} built; ready "
                       f"{time.perf_counter() - t0:.1f} s after start", file=sys.stderr)
             if fast.pending:
+                # The command that builds what this one runs: the same model, head and k.
+                build = " ".join(["mtpkit warmup"]
+                                 + [f"{flag} {shlex.quote(v)}" for flag, v in
+                                    (("--model", a.model), ("--head", a.head)) if v]
+                                 + ([f"-k {k}"] if k > 1 else []))
                 print("note: running the fast path uncompiled (several times slower): "
-                      "`mtpkit warmup` compiles it once for this model", file=sys.stderr)
+                      f"`{build}` compiles it once", file=sys.stderr)
     stream = not a.json
 
     def run(kk: int, watched: bool, warm: bool = False):

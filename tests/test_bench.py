@@ -495,6 +495,9 @@ def test_compare_with_transformers(model_dir, tmp_path, capsys, monkeypatch):
     assert res["in_turns"] == [b, m, m, b, b, m]
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "compare.csv").exists()
+    # Nothing built in this cache: mtpkit ran uncompiled, and the notes say how to build.
+    assert any("mtpkit ran uncompiled" in n and f"`mtpkit warmup --model {model_dir} -k 2`" in n
+               for n in res["notes"]), res["notes"]
     if not llama_cpp_available():
         assert any("llama-cpp-python is not installed" in n for n in res["notes"])
         assert "llama.cpp skipped" in stdout

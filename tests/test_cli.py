@@ -82,11 +82,16 @@ def test_generate_compiled_path_matches_eager(model_dir, capsys):
 
 def test_generate_says_when_it_runs_uncompiled(model_dir, capsys, tmp_path, monkeypatch):
     """The default (--compile auto) with no built programs decodes uncompiled, and says
-    so with the command that fixes it; --compile eager (asked for) does not."""
+    so with the command that fixes it (the same model and draft length); --compile eager
+    (asked for) does not."""
     monkeypatch.setenv("MTPKIT_COMPILE_CACHE", str(tmp_path))
     code, _, err = _run(capsys, "generate", "def f(x):", "--model", str(model_dir),
                         "--max-tokens", "4")
-    assert code == 0 and "uncompiled" in err and "mtpkit warmup" in err
+    assert code == 0 and "uncompiled" in err
+    assert f"`mtpkit warmup --model {model_dir}` compiles it" in err
+    code, _, err = _run(capsys, "generate", "def f(x):", "--model", str(model_dir),
+                        "--max-tokens", "4", "-k", "3")
+    assert code == 0 and f"`mtpkit warmup --model {model_dir} -k 3` compiles it" in err
     code, _, err = _run(capsys, "generate", "def f(x):", "--model", str(model_dir),
                         "--max-tokens", "4", "--compile", "eager")
     assert code == 0 and "mtpkit warmup" not in err

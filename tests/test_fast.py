@@ -16,7 +16,7 @@ from mtpkit.engine.budget import RoundChoices
 from mtpkit.engine.fast import FastDecoder, enable_fast
 from mtpkit.engine.generate import Engine, Result
 from mtpkit.engine.program_cache import ProgramCache, dynamo_graphs
-from mtpkit.engine.programs import unsupported_reason
+from mtpkit.engine.programs import StepModule, unsupported_reason
 from mtpkit.engine.sampling import SamplingParams
 from mtpkit.quant.linear import FORM_PREFIX
 from mtpkit.quant.w8a8_layer import W8A8Forms
@@ -927,6 +927,24 @@ def test_auto_backend_adopts_programs_built_meanwhile(engine_factory, tmp_path, 
     broken = dec.cache.path("round", 2, 1)
     broken.write_bytes(b"not a program")
     assert dec.program("round", 2, 1) is step and dec.pending == []
+
+
+def test_build_pending_compiles_what_runs_uncompiled(engine_factory, tmp_path):
+    """build_pending (what `mtpkit bench offline` runs before timing) builds every program
+    that backend="auto" runs uncompiled for want of its file, into the file `mtpkit
+    warmup` would write, and runs it compiled from then on with the same tokens; a second
+    call has nothing left to build."""
+    engine = engine_factory("llama")
+    dec = FastDecoder(engine.model, backend="auto", max_len=128, cache_dir=tmp_path)
+    want = _fast(dec, PROMPTS[0], 0)[0]
+    path = dec.cache.path("decode", 1, 0)
+    pending = dec.pending  # the decode step's, and the pool programs' of its prompt
+    assert path in pending and not any(p.exists() for p in pending)
+    assert dec.build_pending() == len(pending) == dec.stats.compiled
+    assert dec.pending == [] and all(p.exists() for p in pending)
+    assert not isinstance(dec.program("decode"), StepModule)
+    assert _fast(dec, PROMPTS[0], 0)[0] == want
+    assert dec.build_pending() == 0
 
 
 def test_compiled_pool_programs_batch_any_sequences_exactly(quantized_engines, tmp_path,

@@ -24,7 +24,9 @@ def add_parser(sub) -> None:
     o = bsub.add_parser("offline", help="sweep draft lengths k in one process",
                         description="Greedy decoding of a prompt set at every k: tokens/s, "
                                     "TTFT, acceptance, speed-up over k=0, best k; table, "
-                                    "CSV, JSON and PNG plots.")
+                                    "CSV, JSON and PNG plots. With --compile auto (the "
+                                    "default), programs `mtpkit warmup` has not built are "
+                                    "built first, so that every k is timed compiled.")
     o.add_argument("--model", help=MODEL_HELP)
     o.add_argument("--head", help="MTP head folder to lay over the model")
     o.add_argument("--k", default="0,1,2,3,4,5",
@@ -327,8 +329,18 @@ def cmd_offline(a) -> int:
     if session.engine.fast is not None:
         for k in ks:  # every k is checked before minutes go into building programs
             session.engine.fast.check_draft(k)
+        fast = session.engine.fast
         for k in ks:  # build or load every program before anything is timed
-            session.engine.fast.warmup(k)
+            fast.warmup(k)
+        if fast.pending:
+            # The sweep picks the draft length for the path `generate` runs once `mtpkit
+            # warmup` has built it: a k timed uncompiled (several times slower) while the
+            # others run compiled is no choice at all (`warmup` builds one k).
+            n = len(fast.pending)
+            print(f"note: building the {n} compiled program{'s' if n > 1 else ''} the sweep "
+                  "needs (first run only, 1.5-4 min each on 2 cores), as `mtpkit warmup -k K` "
+                  "would", file=sys.stderr)
+            fast.build_pending()
     if any(ks) and not session.engine.has_mtp:
         raise ValueError(f"{session.name} has no MTP head, so only k=0 can be measured; "
                          "pass --head DIR (a head from `mtpkit calibrate`)")
@@ -790,6 +802,11 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
     say(", ".join(r.run.engine for r in runners if r.gen is not None)
         + ": in turns, prompt by prompt ...")
     schedule = interleave(runners, ids, max_tokens)
+    if fast is not None and fast.pending:
+        build = " ".join(["mtpkit warmup"] + ([] if builtin else [f"--model {folder}"])
+                         + ([f"--head {head}"] if head else []) + ([f"-k {k}"] if k > 1 else []))
+        notes.append("mtpkit ran uncompiled (several times slower), as `mtpkit generate` does "
+                     f"until `{build}` has built its programs (--compile aoti builds them now)")
     runs = [r.run for r in runners[:n_mtpkit]]
     peers = [r.run for r in runners[n_mtpkit:]]  # listed after transformers, as before
     base, mtp = runs[0], runs[1]

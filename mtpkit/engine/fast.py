@@ -253,6 +253,11 @@ class FastDecoder:
         """Program files this decoder runs uncompiled until they are built (backend auto)."""
         return self.cache.pending
 
+    def build_pending(self) -> int:
+        """Build the programs that run uncompiled until their files exist (backend auto) and
+        run them compiled from then on; how many were built."""
+        return self.cache.build_pending()
+
     def _lengths(self, k: int) -> list[int]:
         # Verify lengths a request with draft depth k may use.
         if k == 0:

@@ -265,6 +265,21 @@ class ProgramCache:
         """Program files run uncompiled until they are built (backend auto)."""
         return list(self._pending.values())
 
+    def build_pending(self) -> int:
+        """Build the programs that run uncompiled for want of their file (backend auto), as
+        `mtpkit warmup` builds them, and run the built ones from then on; how many were
+        built (files that appeared meanwhile are only loaded)."""
+        built = 0
+        for key in list(self._pending):
+            kind, t, k = key
+            before = self.stats.compiled
+            with torch.inference_mode(False), torch.no_grad(), threads.full_team():
+                self.fns[key] = self._aoti(StepModule(self.programs, kind, k), kind, t, k,
+                                           self._example(kind, t))
+            built += self.stats.compiled - before
+            del self._pending[key]
+        return built
+
     def _adopt(self, key: tuple):
         # Load the programs built since the last look (by `mtpkit warmup`, e.g. the server's
         # background build), at most every ADOPT_EVERY_S: the look is a file-system call
