@@ -803,8 +803,11 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
         + ": in turns, prompt by prompt ...")
     schedule = interleave(runners, ids, max_tokens)
     if fast is not None and fast.pending:
-        build = " ".join(["mtpkit warmup"] + ([] if builtin else [f"--model {folder}"])
-                         + ([f"--head {head}"] if head else []) + ([f"-k {k}"] if k > 1 else []))
+        from shlex import quote
+
+        build = " ".join(["mtpkit warmup"] + ([] if builtin else [f"--model {quote(str(folder))}"])
+                         + ([f"--head {quote(str(head))}"] if head else [])
+                         + ([f"-k {k}"] if k > 1 else []))
         notes.append("mtpkit ran uncompiled (several times slower), as `mtpkit generate` does "
                      f"until `{build}` has built its programs (--compile aoti builds them now)")
     runs = [r.run for r in runners[:n_mtpkit]]
