@@ -187,8 +187,9 @@ def _warmup_args(sub) -> None:
     )
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--head", help="an MTP head folder (from `mtpkit calibrate`) to use")
-    p.add_argument("--num-draft-tokens", "-k", type=int, default=1,
-                   help="the draft length to build for (default 1, as generate and serve)")
+    p.add_argument("--num-draft-tokens", "-k", default="1",
+                   help="the draft length to build for (default 1, as generate and serve), "
+                        "or several, comma-separated (1,2,3)")
     p.add_argument("--full-draft-vocab", action="store_true",
                    help="build for drafting over the whole vocabulary")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -198,11 +199,11 @@ def _warmup_args(sub) -> None:
 
 
 def _cmd_warmup(a) -> int:
+    from .bench.common import parse_int_list
     from .engine.programs import unsupported_reason
     from .engine.session import Session
 
-    if a.num_draft_tokens < 0:
-        raise ValueError(f"--num-draft-tokens must be >= 0, got {a.num_draft_tokens}")
+    ks = parse_int_list(a.num_draft_tokens, "--num-draft-tokens", 0, 31)
     # Stopped (a server's background build ends with the server), it ends as on an error:
     # the unwinding removes its partial program file.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -215,10 +216,8 @@ def _cmd_warmup(a) -> int:
         print(f"nothing to build: {session.name} runs on the eager engine ({reason})",
               file=sys.stderr)
         return 0
-    k = a.num_draft_tokens if fast.has_mtp else 0
-    fast.warmup(k)
-    if k:
-        fast.warmup(0)
+    for k in sorted({k if fast.has_mtp else 0 for k in ks} | {0}, reverse=True):
+        fast.warmup(k)  # every k asked for, and no MTP (generate --no-mtp, serve -k 0)
     fast.warmup_pooled()  # what `mtpkit serve` runs for several requests at once
     st = fast.stats
     print(f"compiled programs for {session.name}: {st.compiled} built, {st.loaded} already "

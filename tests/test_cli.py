@@ -97,6 +97,21 @@ def test_generate_says_when_it_runs_uncompiled(model_dir, capsys, tmp_path, monk
     assert code == 0 and "mtpkit warmup" not in err
 
 
+@pytest.mark.parametrize("ks,want", [("1", [1, 0]), ("2,1,2", [2, 1, 0]), ("0", [0])])
+def test_warmup_builds_every_draft_length_asked_and_none(model_dir, capsys, monkeypatch, ks,
+                                                         want):
+    """`mtpkit warmup -k 1,2` builds the programs of every draft length given, and those of
+    decoding without MTP and of batched steps (serve) once."""
+    from mtpkit.engine.fast import FastDecoder
+
+    built = []
+    monkeypatch.setattr(FastDecoder, "warmup", lambda self, k: built.append(k) or 0.0)
+    monkeypatch.setattr(FastDecoder, "warmup_pooled", lambda self: built.append("pool") or 0.0)
+    code, _, err = _run(capsys, "warmup", "--model", str(model_dir), "-k", ks)
+    assert code == 0 and "compiled programs for" in err
+    assert built == [*want, "pool"]
+
+
 def test_bench_steps_table(model_dir, capsys):
     """`mtpkit bench steps` times every program in turns and relates it to the decode step
     (and the decode step to the bandwidth) within each turn."""
