@@ -85,6 +85,15 @@ def draft_vocab_size_arg(p) -> None:
                         "vocabulary (cheaper drafts; output unchanged)")
 
 
+def warmup_command(model, head, k: int) -> str:
+    """The `mtpkit warmup` command that builds what a run of this model (None: the built-in
+    one), head and draft length runs."""
+    return " ".join(["mtpkit warmup"]
+                    + [f"{flag} {shlex.quote(str(v))}" for flag, v in
+                       (("--model", model), ("--head", head)) if v]
+                    + ([f"-k {k}"] if k > 1 else []))
+
+
 def _cmd_generate(a) -> int:
     from .engine.sampling import SamplingParams
     from .engine.session import Session
@@ -120,13 +129,9 @@ def _cmd_generate(a) -> int:
                 print(f"compiled programs: {st.loaded} loaded, {st.compiled} built; ready "
                       f"{time.perf_counter() - t0:.1f} s after start", file=sys.stderr)
             if fast.pending:
-                # The command that builds what this one runs: the same model, head and k.
-                build = " ".join(["mtpkit warmup"]
-                                 + [f"{flag} {shlex.quote(v)}" for flag, v in
-                                    (("--model", a.model), ("--head", a.head)) if v]
-                                 + ([f"-k {k}"] if k > 1 else []))
                 print("note: running the fast path uncompiled (several times slower): "
-                      f"`{build}` compiles it once", file=sys.stderr)
+                      f"`{warmup_command(a.model, a.head, k)}` compiles it once",
+                      file=sys.stderr)
     stream = not a.json
 
     def run(kk: int, watched: bool, warm: bool = False):

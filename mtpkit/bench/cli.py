@@ -326,16 +326,16 @@ def cmd_offline(a) -> int:
     session = Session.load(a.model, head=a.head, device=a.device, dtype=a.dtype,
                            full_draft_vocab=a.full_draft_vocab, compile=a.compile,
                            draft_p_min=a.draft_p_min, draft_vocab_size=a.draft_vocab_size)
-    if session.engine.fast is not None:
+    fast = session.engine.fast
+    if fast is not None:
         for k in ks:  # every k is checked before minutes go into building programs
-            session.engine.fast.check_draft(k)
-        fast = session.engine.fast
+            fast.check_draft(k)
         for k in ks:  # build or load every program before anything is timed
             fast.warmup(k)
         if fast.pending:
             # The sweep picks the draft length for the path `generate` runs once `mtpkit
             # warmup` has built it: a k timed uncompiled (several times slower) while the
-            # others run compiled is no choice at all (`warmup` builds one k).
+            # others run compiled is no choice at all.
             n = len(fast.pending)
             print(f"note: building the {n} compiled program{'s' if n > 1 else ''} the sweep "
                   "needs (first run only, 1.5-4 min each on 2 cores), as `mtpkit warmup -k K` "
@@ -803,11 +803,9 @@ def compare_report(model, head, prompts, max_tokens: int, k: int, lookup: int = 
         + ": in turns, prompt by prompt ...")
     schedule = interleave(runners, ids, max_tokens)
     if fast is not None and fast.pending:
-        from shlex import quote
+        from ..cli import warmup_command
 
-        build = " ".join(["mtpkit warmup"] + ([] if builtin else [f"--model {quote(str(folder))}"])
-                         + ([f"--head {quote(str(head))}"] if head else [])
-                         + ([f"-k {k}"] if k > 1 else []))
+        build = warmup_command(None if builtin else folder, head, k)
         notes.append("mtpkit ran uncompiled (several times slower), as `mtpkit generate` does "
                      f"until `{build}` has built its programs (--compile aoti builds them now)")
     runs = [r.run for r in runners[:n_mtpkit]]

@@ -273,9 +273,9 @@ class ProgramCache:
         for key in list(self._pending):
             kind, t, k = key
             before = self.stats.compiled
-            with torch.inference_mode(False), torch.no_grad(), threads.full_team():
-                self.fns[key] = self._aoti(StepModule(self.programs, kind, k), kind, t, k,
-                                           self._example(kind, t))
+            with torch.inference_mode(False), torch.no_grad():
+                self.fns[key] = self._aoti_for_team(StepModule(self.programs, kind, k), kind,
+                                                    t, k)
             built += self.stats.compiled - before
             del self._pending[key]
         return built
@@ -313,10 +313,14 @@ class ProgramCache:
             return step
         if self.backend == "eager":
             return step
+        if self.backend == "inductor":
+            with threads.full_team():  # as _aoti_for_team
+                return self._torch_compile(step, kind, t)
+        return self._aoti_for_team(step, kind, t, k)
+
+    def _aoti_for_team(self, step, kind: str, t: int, k: int):
         # Built for the whole team (its key says so), whatever the load made it just now.
         with threads.full_team():
-            if self.backend == "inductor":
-                return self._torch_compile(step, kind, t)
             return self._aoti(step, kind, t, k, self._example(kind, t))
 
     def _configs(self) -> dict:
